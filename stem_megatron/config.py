@@ -1,0 +1,138 @@
+"""Typed run configuration and its validation.
+
+The dataclasses are Hydra structured configs (``recipes/`` fills them); ``validate`` runs before any
+process group starts, so a bad field fails in a second with a message that names it and the fix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from stem_megatron.model.layer_plan import RATIOS, VARIANTS, stem_layer_indices
+
+
+class ConfigError(ValueError):
+    """A configuration field is invalid; the message names the field and how to fix it."""
+
+
+@dataclass
+class ModelConfig:
+    """Transformer shape (megatron-core GPTModel, RMSNorm, SwiGLU, RoPE, untied embeddings)."""
+
+    name: str = "tiny"
+    num_layers: int = 4
+    hidden_size: int = 64
+    ffn_hidden_size: int = 192
+    num_attention_heads: int = 4
+    num_query_groups: Optional[int] = None
+    vocab_size: int = 4096
+    seq_length: int = 64
+    rotary_base: int = 10000
+    norm_epsilon: float = 1e-5
+    init_method_std: float = 0.02
+
+
+@dataclass
+class STEMConfig:
+    """Which FFN layers are replaced, and by what (paper §2.2, §2.3, Table 3)."""
+
+    variant: str = "stem"  # dense | stem | stem_dagger | stem_gate
+    ratio: str = "1/3"  # 0 | 1/3 | 1/2 | full
+    layers: Optional[list[int]] = None  # explicit 0-based layer indices; overrides ratio
+    # None: init_method_std * sqrt(hidden_size), the scale of the W_u x entries that U_l[t] replaces
+    table_init_std: Optional[float] = None
+
+
+@dataclass
+class ParallelConfig:
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    use_distributed_optimizer: bool = True
+
+
+@dataclass
+class TrainConfig:
+    """Optimizer and schedule (paper Table 2 defaults: AdamW 0.9/0.95, wd 0.1, min lr 0.1x peak)."""
+
+    steps: int = 50
+    micro_batch_size: int = 4
+    global_batch_size: int = 8
+    lr: float = 2e-3
+    min_lr_ratio: float = 0.1
+    warmup_ratio: float = 0.01
+    decay_style: str = "cosine"  # cosine | linear
+    weight_decay: float = 0.1
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    clip_grad: float = 1.0
+    seed: int = 1234
+    log_interval: int = 1
+
+
+@dataclass
+class DataConfig:
+    """Tokenized corpus made by ``python -m stem_megatron.data.corpus`` (train/valid indexed datasets)."""
+
+    dir: str = "data_cache/python-doc"
+    vocab_size: int = 4096
+
+
+@dataclass
+class RunConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    stem: STEMConfig = field(default_factory=STEMConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    out_dir: str = "runs/default"
+
+
+def _check(ok: bool, field_name: str, message: str) -> None:
+    if not ok:
+        raise ConfigError(f"{field_name}: {message}")
+
+
+def validate(cfg: RunConfig, world_size: int) -> int:
+    """Check every field that would otherwise fail deep inside megatron; returns the DP size."""
+    m, s, p, t = cfg.model, cfg.stem, cfg.parallel, cfg.train
+    tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
+    _check(tp >= 1 and pp >= 1, "parallel", "tensor/pipeline sizes must be >= 1")
+    _check(
+        world_size % (tp * pp) == 0,
+        "parallel",
+        f"world size {world_size} is not divisible by tp*pp = {tp * pp}; launch tp*pp*dp processes "
+        f"(e.g. torchrun --nproc_per_node {tp * pp})",
+    )
+    dp = world_size // (tp * pp)
+    groups = m.num_query_groups or m.num_attention_heads
+    _check(m.hidden_size % m.num_attention_heads == 0, "model.hidden_size",
+           f"{m.hidden_size} is not divisible by model.num_attention_heads={m.num_attention_heads}")
+    _check(m.num_attention_heads % tp == 0, "model.num_attention_heads",
+           f"{m.num_attention_heads} heads are not divisible by tensor_model_parallel_size={tp}")
+    _check(m.num_attention_heads % groups == 0, "model.num_query_groups",
+           f"{groups} does not divide num_attention_heads={m.num_attention_heads}")
+    _check(groups % tp == 0, "model.num_query_groups",
+           f"{groups} query groups are not divisible by tensor_model_parallel_size={tp}")
+    _check(m.ffn_hidden_size % tp == 0, "model.ffn_hidden_size",
+           f"d_ff={m.ffn_hidden_size} is not divisible by tensor_model_parallel_size={tp}")
+    _check(m.vocab_size % tp == 0, "model.vocab_size",
+           f"{m.vocab_size} is not divisible by tensor_model_parallel_size={tp}")
+    _check(m.num_layers % pp == 0, "model.num_layers",
+           f"{m.num_layers} layers are not divisible by pipeline_model_parallel_size={pp}")
+    _check(s.variant in VARIANTS, "stem.variant", f"{s.variant!r} is not one of {sorted(VARIANTS)}")
+    _check(s.ratio in RATIOS, "stem.ratio", f"{s.ratio!r} is not one of {sorted(RATIOS)}")
+    try:
+        stem_layer_indices(m.num_layers, s.ratio, s.layers)
+    except ValueError as e:
+        raise ConfigError(f"stem.layers: {e}") from None
+    _check(m.vocab_size >= cfg.data.vocab_size, "model.vocab_size",
+           f"{m.vocab_size} is smaller than the tokenizer's data.vocab_size={cfg.data.vocab_size}")
+    per_step = t.micro_batch_size * dp
+    _check(t.global_batch_size % per_step == 0, "train.global_batch_size",
+           f"{t.global_batch_size} is not divisible by micro_batch_size*dp = {per_step}")
+    _check(t.decay_style in ("cosine", "linear"), "train.decay_style",
+           f"{t.decay_style!r} is not 'cosine' or 'linear'")
+    _check(t.steps >= 1, "train.steps", "must be >= 1")
+    _check(0.0 <= t.min_lr_ratio <= 1.0, "train.min_lr_ratio", "must be in [0, 1]")
+    return dp

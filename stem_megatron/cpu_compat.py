@@ -1,0 +1,89 @@
+"""Run megatron-core's parallel layers, schedules and DDP on a CPU-only machine over gloo.
+
+megatron-core is written for CUDA: it passes ``torch.cuda.current_device()`` or the literal ``"cuda"``
+as a ``device``, calls ``Tensor.cuda()``, ``torch.cuda.synchronize()`` and forks the CUDA RNG state in
+attention. On a machine without a GPU we redirect exactly those calls to the CPU:
+
+* a ``TorchFunctionMode`` rewrites a CUDA ``device`` argument (``"cuda"``, ``"cuda:N"``, an int,
+  a ``torch.device('cuda')``) to ``"cpu"`` and makes ``Tensor.cuda()`` return the tensor itself;
+* ``torch.cuda.current_device/synchronize/get_rng_state/set_rng_state/manual_seed`` and megatron's
+  ``_get_cuda_rng_state/_set_cuda_rng_state`` act on the CPU generator instead.
+
+Checked against megatron-core 0.16.1 with torch 2.13.0+cpu. It is enabled by
+``stem_megatron.parallel.initialize`` only when ``torch.cuda.is_available()`` is false (or when forced),
+so GPU runs never see it. No megatron code is copied or its classes changed.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+CHECKED_MEGATRON_CORE = "0.16.1"
+
+_state = threading.local()
+
+
+def _is_cuda(device) -> bool:
+    if isinstance(device, int) and not isinstance(device, bool):
+        return True
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    return isinstance(device, torch.device) and device.type == "cuda"
+
+
+class _CudaToCpu(TorchFunctionMode):
+    """Maps CUDA device arguments to the CPU for every torch call made while active."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if _is_cuda(kwargs.get("device")):
+            kwargs["device"] = "cpu"
+        if func is torch.Tensor.to and len(args) > 1 and _is_cuda(args[1]):
+            args = (args[0], "cpu", *args[2:])
+        return func(*args, **kwargs)
+
+
+def _cpu_rng_state(*_args, **_kwargs) -> torch.Tensor:
+    return torch.get_rng_state()
+
+
+def _set_cpu_rng_state(state: torch.Tensor, *_args, **_kwargs) -> None:
+    torch.set_rng_state(state)
+
+
+def _noop(*_args, **_kwargs) -> None:
+    return None
+
+
+def enable() -> None:
+    """Activate the CPU redirection in this thread (idempotent)."""
+    if getattr(_state, "mode", None) is not None:
+        return
+    import megatron.core
+    from megatron.core.tensor_parallel import random as mcore_random
+
+    if megatron.core.__version__ != CHECKED_MEGATRON_CORE:
+        import warnings
+
+        warnings.warn(
+            f"stem_megatron.cpu_compat was checked against megatron-core {CHECKED_MEGATRON_CORE}, "
+            f"found {megatron.core.__version__}; run tests/test_cpu_compat.py before trusting results."
+        )
+    torch.cuda.current_device = lambda: 0  # mapped to "cpu" by the mode wherever used as a device
+    torch.cuda.synchronize = _noop
+    torch.cuda.manual_seed = torch.manual_seed
+    torch.cuda.get_rng_state = _cpu_rng_state
+    torch.cuda.set_rng_state = _set_cpu_rng_state
+    mcore_random._get_cuda_rng_state = _cpu_rng_state
+    mcore_random._set_cuda_rng_state = _set_cpu_rng_state
+    _state.mode = _CudaToCpu()
+    _state.mode.__enter__()
+
+
+def is_enabled() -> bool:
+    return getattr(_state, "mode", None) is not None

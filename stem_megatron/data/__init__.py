@@ -1,0 +1,1 @@
+"""Real-data pipeline for the demo run: corpus preparation and token-window batching."""

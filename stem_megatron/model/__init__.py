@@ -1,0 +1,1 @@
+"""Model: STEM/dense MLP layer specs for megatron-core's GPTModel."""

@@ -1,0 +1,85 @@
+"""Builds megatron-core's GPTModel for a run config: TransformerConfig + per-layer specs."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from megatron.core import parallel_state
+from megatron.core.models.gpt import GPTModel
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from stem_megatron.config import ModelConfig, ParallelConfig, STEMConfig
+from stem_megatron.model.layer_plan import stem_layer_indices
+from stem_megatron.model.row_source import DeviceRowTable
+from stem_megatron.model.specs import decoder_block_spec
+
+
+def transformer_config(
+    model: ModelConfig, parallel: ParallelConfig, on_gpu: bool, use_cpu_initialization: bool | None = None
+) -> TransformerConfig:
+    """Llama-style block (RMSNorm, SwiGLU, RoPE, no biases); bf16 on GPU, fp32 on CPU.
+
+    Fusions that need CUDA kernels are off on CPU. ``use_cpu_initialization`` makes the initial
+    weights independent of the TP layout (the full matrix is drawn, then sliced).
+    """
+    dtype = torch.bfloat16 if on_gpu else torch.float32
+    return TransformerConfig(
+        num_layers=model.num_layers,
+        hidden_size=model.hidden_size,
+        ffn_hidden_size=model.ffn_hidden_size,
+        num_attention_heads=model.num_attention_heads,
+        num_query_groups=model.num_query_groups,
+        kv_channels=model.hidden_size // model.num_attention_heads,
+        normalization="RMSNorm",
+        layernorm_epsilon=model.norm_epsilon,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        init_method_std=model.init_method_std,
+        tensor_model_parallel_size=parallel.tensor_model_parallel_size,
+        pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
+        pipeline_dtype=dtype,
+        params_dtype=dtype,
+        bf16=on_gpu,
+        use_cpu_initialization=(not on_gpu) if use_cpu_initialization is None else use_cpu_initialization,
+        bias_activation_fusion=on_gpu,
+        bias_dropout_fusion=on_gpu,
+        masked_softmax_fusion=on_gpu,
+        apply_rope_fusion=False,
+        persist_layer_norm=False,
+        gradient_accumulation_fusion=False,
+    )
+
+
+def build_gpt(
+    model: ModelConfig,
+    stem: STEMConfig,
+    config: TransformerConfig,
+    row_source: type = DeviceRowTable,
+    use_te: bool = False,
+    pre_process: bool | None = None,
+    post_process: bool | None = None,
+    pp_rank: int | None = None,
+) -> GPTModel:
+    """This rank's GPTModel stage with STEM MLPs on the planned layers; embeddings untied (paper §4.1)."""
+    layers = [] if stem.variant == "dense" else stem_layer_indices(model.num_layers, stem.ratio, stem.layers)
+    spec = decoder_block_spec(
+        config, layers, stem.variant, model.vocab_size, stem.table_init_std, row_source, use_te, pp_rank
+    )
+    if pre_process is None:
+        pre_process = parallel_state.is_pipeline_first_stage()
+    if post_process is None:
+        post_process = parallel_state.is_pipeline_last_stage()
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=spec,
+        vocab_size=model.vocab_size,
+        max_sequence_length=model.seq_length,
+        pre_process=pre_process,
+        post_process=post_process,
+        share_embeddings_and_output_weights=False,
+        position_embedding_type="rope",
+        rotary_base=model.rotary_base,
+    )

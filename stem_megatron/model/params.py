@@ -1,0 +1,35 @@
+"""Total and active parameter counts of a preset + variant, from a model built on the meta device.
+
+"Active" excludes the STEM tables ``U_l``: a token reads one row of each (d_ff values), which the
+paper does not count (Table 3). Nothing is allocated, so 1B/350M presets count in a second.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from stem_megatron.config import ModelConfig, ParallelConfig, STEMConfig
+from stem_megatron.model.gpt import build_gpt, transformer_config
+from stem_megatron.model.row_source import DeviceRowTable
+
+
+@dataclass
+class ParamCount:
+    total: int
+    tables: int
+
+    @property
+    def active(self) -> int:
+        return self.total - self.tables
+
+
+def count_parameters(model: ModelConfig, stem: STEMConfig) -> ParamCount:
+    """Counts for one process (TP=PP=1); needs megatron's parallel state initialised (world of 1)."""
+    config = transformer_config(model, ParallelConfig(), on_gpu=False, use_cpu_initialization=True)
+    with torch.device("meta"):
+        gpt = build_gpt(model, stem, config, pre_process=True, post_process=True)
+    total = sum(p.numel() for p in gpt.parameters())
+    tables = sum(m.weight.numel() for m in gpt.modules() if isinstance(m, DeviceRowTable))
+    return ParamCount(total=total, tables=tables)

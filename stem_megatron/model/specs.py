@@ -1,0 +1,71 @@
+"""Per-layer ModuleSpecs: megatron-core's GPT layer spec with the MLP swapped on the planned layers.
+
+We start from megatron's own decoder block spec (which already slices layers for this pipeline
+stage) and replace ``submodules.mlp`` of the layers in the STEM plan. Layers not in the plan keep
+megatron's SwiGLU ``MLP`` (paper eq. 1). On GPU the linears are Transformer Engine's; on CPU the
+local megatron-core ones.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional, Sequence
+
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+from stem_megatron.model.row_source import DeviceRowTable
+from stem_megatron.model.stem_mlp import STEMMLP, STEMMLPSubmodules
+
+
+def linear_classes(use_te: bool):
+    """Column/row-parallel linear classes for the device: TE on GPU, megatron-core local on CPU."""
+    if use_te:
+        from megatron.core.extensions.transformer_engine import TEColumnParallelLinear, TERowParallelLinear
+
+        return TEColumnParallelLinear, TERowParallelLinear
+    return ColumnParallelLinear, RowParallelLinear
+
+
+def stem_mlp_spec(
+    variant: str,
+    vocab_size: int,
+    table_init_std: Optional[float] = None,
+    row_source: type = DeviceRowTable,
+    use_te: bool = False,
+) -> ModuleSpec:
+    """ModuleSpec of one STEM-family MLP; ``row_source`` decides where ``U_l`` lives."""
+    column, row = linear_classes(use_te)
+    return ModuleSpec(
+        module=STEMMLP,
+        submodules=STEMMLPSubmodules(W_g=column, W_u=column, W_d=row, U_l=row_source),
+        params={"variant": variant, "vocab_size": vocab_size, "table_init_std": table_init_std},
+    )
+
+
+def decoder_block_spec(
+    config: TransformerConfig,
+    stem_layers: Sequence[int],
+    variant: str,
+    vocab_size: int,
+    table_init_std: Optional[float] = None,
+    row_source: type = DeviceRowTable,
+    use_te: bool = False,
+    pp_rank: Optional[int] = None,
+) -> TransformerBlockSubmodules:
+    """This pipeline stage's layer specs, STEM MLPs at the global indices in ``stem_layers``."""
+    block = get_gpt_decoder_block_spec(config, use_transformer_engine=use_te, normalization="RMSNorm", pp_rank=pp_rank)
+    offset = get_transformer_layer_offset(config, pp_rank=pp_rank)
+    mlp = stem_mlp_spec(variant, vocab_size, table_init_std, row_source, use_te)
+    wanted = set(stem_layers)
+    layer_specs = [
+        dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, mlp=mlp))
+        if offset + i in wanted
+        else spec
+        for i, spec in enumerate(block.layer_specs)
+    ]
+    return dataclasses.replace(block, layer_specs=layer_specs)

@@ -1,0 +1,46 @@
+"""Process groups for a run: torch.distributed + megatron-core's TP/PP/DP grid, on GPU or CPU.
+
+On a machine without CUDA the backend is gloo and ``cpu_compat`` redirects megatron's CUDA calls;
+with CUDA it is NCCL, one device per local rank. Call after the config has been validated.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+from stem_megatron import cpu_compat
+
+
+def on_gpu() -> bool:
+    return torch.cuda.is_available()
+
+
+def initialize(tp: int, pp: int, seed: int, ep: int = 1) -> None:
+    """Start the default process group (env:// from torchrun/srun) and megatron's parallel groups."""
+    if on_gpu():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        backend = "nccl"
+    else:
+        cpu_compat.enable()
+        backend = "gloo"
+    if not dist.is_initialized():
+        dist.init_process_group(backend=backend, timeout=datetime.timedelta(minutes=10))
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        expert_model_parallel_size=ep,
+    )
+    torch.manual_seed(seed)
+    model_parallel_cuda_manual_seed(seed)
+
+
+def destroy() -> None:
+    parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()

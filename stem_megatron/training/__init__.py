@@ -1,0 +1,1 @@
+"""Training: optimizer/schedule, the per-step schedule call, metrics, the run loop."""

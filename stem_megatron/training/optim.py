@@ -1,0 +1,60 @@
+"""Dense-parameter optimizer and LR schedule, both megatron-core's (paper Table 2 defaults).
+
+AdamW (megatron's distributed optimizer when enabled: optimizer state sharded over DP), global
+grad-norm clipping, warmup then cosine/linear decay to ``min_lr_ratio`` x peak.
+"""
+
+from __future__ import annotations
+
+import torch
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from stem_megatron.config import ParallelConfig, TrainConfig
+
+
+def wrap_ddp(model: torch.nn.Module, config: TransformerConfig, parallel: ParallelConfig) -> DistributedDataParallel:
+    """megatron-core DDP: contiguous fp32 grad buffers, one all-reduce (or reduce-scatter) per bucket."""
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=False,
+        use_distributed_optimizer=parallel.use_distributed_optimizer,
+    )
+    return DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
+
+
+def build_optimizer(model: DistributedDataParallel, train: TrainConfig, parallel: ParallelConfig, bf16: bool):
+    config = OptimizerConfig(
+        optimizer="adam",
+        lr=train.lr,
+        min_lr=train.lr * train.min_lr_ratio,
+        weight_decay=train.weight_decay,
+        adam_beta1=train.adam_beta1,
+        adam_beta2=train.adam_beta2,
+        adam_eps=1e-8,
+        clip_grad=train.clip_grad,
+        bf16=bf16,
+        params_dtype=torch.bfloat16 if bf16 else torch.float32,
+        use_distributed_optimizer=parallel.use_distributed_optimizer,
+    )
+    return get_megatron_optimizer(config, [model])
+
+
+def build_scheduler(optimizer, train: TrainConfig) -> OptimizerParamScheduler:
+    """Schedule in optimizer steps; warmup is ``warmup_ratio`` of the run (at least one step)."""
+    warmup = max(1, round(train.warmup_ratio * train.steps))
+    return OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0,
+        max_lr=train.lr,
+        min_lr=train.lr * train.min_lr_ratio,
+        lr_warmup_steps=warmup,
+        lr_decay_steps=max(train.steps, warmup + 1),
+        lr_decay_style=train.decay_style,
+        start_wd=train.weight_decay,
+        end_wd=train.weight_decay,
+        wd_incr_steps=train.steps,
+        wd_incr_style="constant",
+    )

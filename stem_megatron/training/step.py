@@ -1,0 +1,74 @@
+"""One training step: megatron-core's pipeline schedule over the micro-batches, then the optimizer.
+
+Every pipeline stage reads the same micro-batches: the first stage embeds the tokens, the STEM layers
+on any stage need them for ``U_l[t]``, the last stage needs the labels.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.pipeline_parallel import get_forward_backward_func
+
+from stem_megatron.model.token_context import token_ids
+
+
+def _loss_func(loss_per_token: torch.Tensor):
+    loss = loss_per_token.float().mean()
+    return loss, {"lm loss": loss.detach()}
+
+
+def make_forward_step(vocab_size: int):
+    """megatron ``forward_step_func``: the model call inside the token-id context STEM layers read."""
+
+    def forward_step(data_iterator: Iterator[dict], model: torch.nn.Module):
+        batch = next(data_iterator)
+        tokens, labels = batch["tokens"], batch["labels"]
+        position_ids = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0).expand_as(tokens)
+        with token_ids(tokens, vocab_size):
+            output = model(tokens, position_ids, None, labels=labels)
+        return output, _loss_func
+
+    return forward_step
+
+
+def forward_backward(model, data_iterator, num_micro_batches: int, micro_batch_size: int, seq_length: int,
+                     vocab_size: int, forward_only: bool = False) -> float:
+    """Runs the schedule and returns the mean loss of the global batch (same value on every rank)."""
+    losses = get_forward_backward_func()(
+        forward_step_func=make_forward_step(vocab_size),
+        data_iterator=data_iterator,
+        model=[model],
+        num_microbatches=num_micro_batches,
+        seq_length=seq_length,
+        micro_batch_size=micro_batch_size,
+        forward_only=forward_only,
+    )
+    return global_mean_loss(losses)
+
+
+def global_mean_loss(losses: list[dict]) -> float:
+    """Average over micro-batches and DP replicas; reaches every rank (only last stages hold losses)."""
+    local = torch.tensor(
+        [sum(float(x["lm loss"]) for x in losses), float(len(losses))], dtype=torch.float64
+    ) if parallel_state.is_pipeline_last_stage() and parallel_state.get_tensor_model_parallel_rank() == 0 else torch.zeros(2, dtype=torch.float64)
+    if dist.is_initialized():
+        dist.all_reduce(local)
+    return float(local[0] / local[1])
+
+
+def train_step(model, optimizer, scheduler, data_iterator, num_micro_batches, micro_batch_size, seq_length,
+               vocab_size) -> dict:
+    """Zero grads, forward/backward all micro-batches, DP-reduce grads, clip, step, advance the LR."""
+    model.zero_grad_buffer()
+    optimizer.zero_grad()
+    loss = forward_backward(model, data_iterator, num_micro_batches, micro_batch_size, seq_length, vocab_size)
+    ok, grad_norm, _ = optimizer.step()
+    lr = optimizer.param_groups[0]["lr"]
+    scheduler.step(increment=1)
+    return {"loss": loss, "grad_norm": float(grad_norm) if grad_norm is not None else None, "lr": lr,
+            "update_skipped": not ok}

@@ -1,0 +1,42 @@
+"""Runs a test function in N real processes over gloo (torch.multiprocessing), megatron initialised.
+
+Each worker gets ``(tp, pp)`` set up by ``stem_megatron.parallel.initialize`` and returns a picklable
+result; the parent gets the list of results by rank. A worker exception fails the test with its
+traceback.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+
+import torch
+import torch.multiprocessing as mp
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank, world, port, tp, pp, seed, fn, args, out_dir):
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    from stem_megatron import parallel
+
+    parallel.initialize(tp, pp, seed)
+    try:
+        result = fn(*args)
+    finally:
+        parallel.destroy()
+    torch.save(result, os.path.join(out_dir, f"{rank}.pt"))
+
+
+def run(fn, world: int, *args, tp: int = 1, pp: int = 1, seed: int = 1234) -> list:
+    """Run ``fn(*args)`` on ``world`` ranks with TP=tp, PP=pp (DP = world / (tp*pp))."""
+    with tempfile.TemporaryDirectory() as out_dir:
+        mp.spawn(_worker, args=(world, _free_port(), tp, pp, seed, fn, args, out_dir), nprocs=world, join=True)
+        return [torch.load(os.path.join(out_dir, f"{r}.pt"), weights_only=False) for r in range(world)]
