@@ -5,7 +5,9 @@ as a ``device``, calls ``Tensor.cuda()``, ``torch.cuda.synchronize()`` and forks
 attention. On a machine without a GPU we redirect exactly those calls to the CPU:
 
 * a ``TorchFunctionMode`` rewrites a CUDA ``device`` argument (``"cuda"``, ``"cuda:N"``, an int,
-  a ``torch.device('cuda')``) to ``"cpu"`` and makes ``Tensor.cuda()`` return the tensor itself;
+  a ``torch.device('cuda')``) to ``"cpu"``, makes ``Tensor.cuda()`` return the tensor itself, and has
+  ``Tensor.type()`` report the CUDA type name (``torch.cuda.FloatTensor``) that megatron's optimizers
+  and grad clipping check parameters against;
 * ``torch.cuda.current_device/synchronize/get_rng_state/set_rng_state/manual_seed`` and megatron's
   ``_get_cuda_rng_state/_set_cuda_rng_state`` act on the CPU generator instead.
 
@@ -41,6 +43,8 @@ class _CudaToCpu(TorchFunctionMode):
         kwargs = dict(kwargs or {})
         if func is torch.Tensor.cuda:
             return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            return func(*args).replace("torch.", "torch.cuda.", 1)
         if _is_cuda(kwargs.get("device")):
             kwargs["device"] = "cpu"
         if func is torch.Tensor.to and len(args) > 1 and _is_cuda(args[1]):

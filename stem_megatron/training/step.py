@@ -19,7 +19,8 @@ from stem_megatron.model.token_context import token_ids
 
 def _loss_func(loss_per_token: torch.Tensor):
     loss = loss_per_token.float().mean()
-    return loss, {"lm loss": loss.detach()}
+    # clone: the schedule divides the returned loss by num_microbatches in place
+    return loss, {"lm loss": loss.detach().clone()}
 
 
 def make_forward_step(vocab_size: int):
@@ -53,11 +54,10 @@ def forward_backward(model, data_iterator, num_micro_batches: int, micro_batch_s
 
 def global_mean_loss(losses: list[dict]) -> float:
     """Average over micro-batches and DP replicas; reaches every rank (only last stages hold losses)."""
-    local = torch.tensor(
-        [sum(float(x["lm loss"]) for x in losses), float(len(losses))], dtype=torch.float64
-    ) if parallel_state.is_pipeline_last_stage() and parallel_state.get_tensor_model_parallel_rank() == 0 else torch.zeros(2, dtype=torch.float64)
-    if dist.is_initialized():
-        dist.all_reduce(local)
+    local = torch.zeros(2, dtype=torch.float64)
+    if parallel_state.is_pipeline_last_stage() and parallel_state.get_tensor_model_parallel_rank() == 0:
+        local[0], local[1] = sum(float(x["lm loss"]) for x in losses), len(losses)
+    dist.all_reduce(local)
     return float(local[0] / local[1])
 
 

@@ -1,0 +1,93 @@
+"""The whole model under TP=2, PP=2, DP=2 (and TP=2 x PP=2) gives the losses, gradients and updated
+weights of the same weights trained on one process (megatron DDP, distributed optimizer, schedules)."""
+
+import pytest
+import torch
+
+import distributed
+from stem_megatron.config import ModelConfig, ParallelConfig, RunConfig, STEMConfig, TrainConfig
+from stem_megatron.model.sharding import load_full_weights, local_to_global, tp_slice
+
+MICRO, GLOBAL, STEPS = 2, 4, 3
+MODEL = ModelConfig(num_layers=4, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4, vocab_size=128,
+                    seq_length=16)
+
+
+def _data(dp_rank, dp):
+    """The same global batch every step (so the loss must fall); micro-batch k of DP rank r holds
+    sequences (k*dp + r)*MICRO ... of it."""
+    seqs = torch.randint(0, MODEL.vocab_size, (GLOBAL, MODEL.seq_length + 1), generator=torch.Generator().manual_seed(7))
+    for _ in range(STEPS):
+        for k in range(GLOBAL // (MICRO * dp)):
+            s = seqs[(k * dp + dp_rank) * MICRO:(k * dp + dp_rank + 1) * MICRO]
+            yield {"tokens": s[:, :-1], "labels": s[:, 1:]}
+
+
+def _train(tp, pp, dist_opt, ref=None):
+    """Trains STEPS steps (from ``ref``'s initial weights if given).
+
+    Without ``ref``: returns losses, step-1 gradients and weights under single-process names.
+    With ``ref``: returns the max difference of each from ``ref``, sliced to this rank's shards.
+    """
+    from megatron.core import parallel_state
+    from stem_megatron.training.loop import setup_model
+    from stem_megatron.training.step import train_step
+
+    cfg = RunConfig(model=MODEL, stem=STEMConfig(variant="stem", ratio="1/2"),
+                    parallel=ParallelConfig(tp, pp, use_distributed_optimizer=dist_opt),
+                    train=TrainConfig(steps=STEPS, micro_batch_size=MICRO, global_batch_size=GLOBAL, lr=1e-2))
+    model, optimizer, scheduler = setup_model(cfg)
+    params = dict(model.module.named_parameters())
+    names = local_to_global(model.module)
+    if ref is not None:
+        load_full_weights(model.module, ref["weights0"])
+    snapshot = lambda get: {names[n]: get(p).detach().clone() for n, p in params.items()}  # noqa: E731
+    result = {"weights0": snapshot(lambda p: p), "losses": []}
+    dp = parallel_state.get_data_parallel_world_size()
+    data = _data(parallel_state.get_data_parallel_rank(), dp)
+    for step in range(STEPS):
+        out = train_step(model, optimizer, scheduler, data, GLOBAL // (MICRO * dp), MICRO, MODEL.seq_length,
+                         MODEL.vocab_size)
+        result["losses"].append(out["loss"])
+        if step == 0:
+            result["grads"] = snapshot(lambda p: p.main_grad)
+    result["weights"] = snapshot(lambda p: p)
+    if ref is None:
+        return result
+
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    errors = {"loss": max(abs(a - b) for a, b in zip(result["losses"], ref["losses"]))}
+    # with the distributed optimizer at DP>1 only this rank's shard of the grad buffer is reduced
+    compared = ("weights",) if dist_opt and dp > 1 else ("weights", "grads")
+    for what in compared:
+        errors[what] = max(
+            (result[what][names[n]] - tp_slice(ref[what][names[n]], p, tp_rank, tp)).abs().max().item()
+            for n, p in params.items()
+        )
+    return errors
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return distributed.run(_train, 1, 1, 1, True)[0]
+
+
+LAYOUTS = {  # name: tp, pp, world, distributed optimizer
+    "tp2": (2, 1, 2, True),
+    "pp2": (1, 2, 2, True),
+    "dp2": (1, 1, 2, False),
+    "dp2_distributed_optimizer": (1, 1, 2, True),
+    "tp2_pp2": (2, 2, 4, True),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_layout_matches_single_process(layout, reference):
+    tp, pp, world, dist_opt = LAYOUTS[layout]
+    assert len(reference["losses"]) == STEPS and reference["losses"][-1] < reference["losses"][0]
+    for rank, errors in enumerate(distributed.run(_train, world, tp, pp, dist_opt, reference, tp=tp, pp=pp)):
+        assert errors["loss"] < 1e-5, f"{layout} rank {rank}: losses differ by {errors['loss']}"
+        assert errors["weights"] < 2e-5, f"{layout} rank {rank}: weights after {STEPS} steps differ by {errors['weights']}"
+        if "grads" in errors:
+            assert errors["grads"] < 1e-5, f"{layout} rank {rank}: step-1 gradients differ by {errors['grads']}"
