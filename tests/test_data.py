@@ -1,8 +1,6 @@
 """Tests for the demo data pipeline (corpus preparation, token windows, DP micro-batching)."""
 
 import json
-import random
-
 import numpy as np
 import pytest
 import torch
@@ -18,27 +16,7 @@ from stem_megatron.data.corpus import (
     train_tokenizer,
 )
 
-VOCAB = 400
-WORDS = "the heap queue sorts tuples by key; def f(x): return x ** 2 # comment über naïve".split()
-
-
-@pytest.fixture(scope="module")
-def source_dir(tmp_path_factory):
-    """Twelve synthetic reST-ish files (~300 lines total) standing in for the python docs."""
-    root = tmp_path_factory.mktemp("sources")
-    rng = random.Random(0)
-    for i in range(12):
-        lines = [f"Section {i}\n{'=' * 10}\n"]
-        lines += [" ".join(rng.choices(WORDS, k=rng.randint(3, 12))) for _ in range(25)]
-        (root / f"doc{i:02d}.rst.txt").write_text("\n".join(lines) + "\n", encoding="utf-8")
-    return root
-
-
-@pytest.fixture(scope="module")
-def corpus(source_dir, tmp_path_factory):
-    out = tmp_path_factory.mktemp("corpus")
-    prepare_corpus(out, vocab_size=VOCAB, valid_fraction=0.2, source_dir=source_dir)
-    return out
+from conftest import VOCAB
 
 
 def test_collect_text_missing_dir_names_apt_command(tmp_path):

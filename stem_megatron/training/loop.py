@@ -59,9 +59,9 @@ def _have_te() -> bool:
 
 def run(cfg: RunConfig) -> list[dict]:
     """Train ``cfg.train.steps`` steps; returns the step records (rank 0 also writes them)."""
-    _single_process_env()
-    dp = validate(cfg, int(os.environ["WORLD_SIZE"]))
+    dp = validate(cfg, int(os.environ.get("WORLD_SIZE", 1)))
     windows = TokenWindows(str(Path(cfg.data.dir) / "train"), cfg.model.seq_length, cfg.model.vocab_size)
+    _single_process_env()
     parallel.initialize(cfg.parallel.tensor_model_parallel_size, cfg.parallel.pipeline_model_parallel_size,
                         cfg.train.seed)
     try:

@@ -1,0 +1,73 @@
+"""Bad configuration fails before any process group starts, with a message naming the field."""
+
+import pytest
+import torch.distributed as dist
+from hydra import compose, initialize_config_dir
+from hydra.errors import ConfigCompositionException
+
+from stem_megatron.config import ConfigError, ModelConfig, ParallelConfig, RunConfig, STEMConfig, validate
+from stem_megatron.model.layer_plan import stem_layer_indices
+from stem_megatron.train import RECIPES, to_run_config
+from stem_megatron.training.loop import run
+
+
+def _cfg(**parts):
+    return RunConfig(**parts)
+
+
+BAD = [
+    ("model.ffn_hidden_size", dict(model=ModelConfig(ffn_hidden_size=190)), 4, dict(tensor_model_parallel_size=4)),
+    ("model.num_attention_heads", dict(model=ModelConfig(num_attention_heads=6, hidden_size=96)), 4,
+     dict(tensor_model_parallel_size=4)),
+    ("model.num_layers", dict(model=ModelConfig(num_layers=5)), 2, dict(pipeline_model_parallel_size=2)),
+    ("stem.ratio", dict(stem=STEMConfig(ratio="1/4")), 1, {}),
+    ("stem.layers", dict(stem=STEMConfig(layers=[1, 4])), 1, {}),
+    ("parallel", dict(), 3, dict(tensor_model_parallel_size=2)),
+    ("train.global_batch_size", dict(), 2, {}),
+]
+
+
+@pytest.mark.parametrize("field,parts,world,par", BAD, ids=[b[0] for b in BAD])
+def test_bad_config_names_the_field(field, parts, world, par, monkeypatch):
+    cfg = _cfg(parallel=ParallelConfig(**par), **parts)
+    if field == "train.global_batch_size":
+        cfg.train.global_batch_size, cfg.train.micro_batch_size = 6, 4
+    with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+        validate(cfg, world)
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+        run(cfg)  # the entry point validates first ...
+    assert not dist.is_initialized()  # ... so no process group was started
+
+
+def test_good_config_returns_dp_size():
+    assert validate(_cfg(parallel=ParallelConfig(tensor_model_parallel_size=2)), 4) == 2
+
+
+def test_layer_plan_uniform_intervals():
+    assert stem_layer_indices(24, "1/3") == [2, 5, 8, 11, 14, 17, 20, 23]
+    assert stem_layer_indices(24, "1/2") == list(range(1, 24, 2))
+    assert stem_layer_indices(6, "full") == [1, 2, 3, 4, 5]  # every layer except the first
+    assert stem_layer_indices(16, "1/3") == [2, 5, 8, 11, 15]
+    assert stem_layer_indices(8, "0") == []
+    assert stem_layer_indices(8, "1/3", layers=[7, 0]) == [0, 7]
+    with pytest.raises(ValueError, match="out of range"):
+        stem_layer_indices(8, "1/3", layers=[8])
+
+
+def _compose(*overrides):
+    with initialize_config_dir(config_dir=RECIPES, version_base=None):
+        return compose("train", overrides=list(overrides))
+
+
+def test_recipes_compose_into_the_typed_schema():
+    for variant in ("dense", "stem_1_3", "stem_1_2", "stem_full", "stem_dagger", "stem_gate"):
+        for model in ("tiny", "mobilellm_350m", "llama3.2_1b"):
+            cfg = to_run_config(_compose(f"variant={variant}", f"model={model}", "parallel=single"))
+            assert isinstance(cfg, RunConfig) and cfg.model.name == model
+    assert to_run_config(_compose("variant=stem_full")).stem.ratio == "full"
+
+
+def test_mistyped_override_fails_at_composition():
+    with pytest.raises(ConfigCompositionException, match="model.num_layers=four"):
+        _compose("model.num_layers=four")

@@ -1,0 +1,55 @@
+"""The CPU redirection of megatron-core's CUDA calls (run in a fresh process: it changes torch globally)."""
+
+import multiprocessing as mp
+
+import pytest
+
+
+def _probe(queue):
+    import torch
+
+    from stem_megatron import cpu_compat
+
+    before = None
+    try:
+        torch.empty(2, device="cuda")
+    except (RuntimeError, AssertionError) as e:
+        before = type(e).__name__
+    cpu_compat.enable()
+    cpu_compat.enable()  # idempotent
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker, model_parallel_cuda_manual_seed
+
+    x = torch.ones(3)
+    out = {
+        "before": before,
+        "empty": torch.empty(2, device="cuda").device.type,
+        "empty_int": torch.zeros(2, device=torch.cuda.current_device()).device.type,
+        "to": x.to("cuda:0").device.type,
+        "cuda_is_self": x.cuda() is x,
+        "type": x.type(),
+        "type_cast": x.type(torch.float64).dtype == torch.float64,
+    }
+    torch.manual_seed(5)
+    model_parallel_cuda_manual_seed(5, tp_rank=0, ep_rank=0, etp_rank=0)
+    a = torch.rand(1)
+    state = torch.get_rng_state()
+    with get_cuda_rng_tracker().fork():
+        torch.rand(10)  # consumes the tracker's model-parallel stream, not the default one
+    out["fork_restores_default_rng"] = torch.equal(torch.get_rng_state(), state)
+    out["default_stream_continues"] = a.item() != torch.rand(1).item()
+    queue.put(out)
+
+
+@pytest.mark.slow
+def test_cuda_calls_are_redirected_to_cpu():
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    proc = ctx.Process(target=_probe, args=(queue,))
+    proc.start()
+    out = queue.get(timeout=120)
+    proc.join()
+    assert out["before"] is not None  # without the module this machine cannot place tensors on "cuda"
+    assert out["empty"] == out["empty_int"] == out["to"] == "cpu"
+    assert out["cuda_is_self"]
+    assert out["type"] == "torch.cuda.FloatTensor" and out["type_cast"]
+    assert out["fork_restores_default_rng"] and out["default_stream_continues"]
