@@ -21,6 +21,15 @@ def on_gpu() -> bool:
     return torch.cuda.is_available()
 
 
+def have_transformer_engine() -> bool:
+    """TE linears are used on GPU when installed (the ``gpu`` extra); megatron's local ones otherwise."""
+    try:
+        import transformer_engine  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def initialize(tp: int, pp: int, seed: int, ep: int = 1) -> None:
     """Start the default process group (env:// from torchrun/srun) and megatron's parallel groups."""
     if on_gpu():

@@ -117,7 +117,7 @@ def test_check_token_ids_rejects_out_of_range(bad):
     tokens[6] = bad
     with pytest.raises(ValueError, match=rf"token id {bad} at position 6 .*vocab_size {VOCAB}"):
         check_token_ids(tokens, VOCAB)
-    with pytest.raises(ValueError, match=rf"position \(1, 1\)"):
+    with pytest.raises(ValueError, match=r"position \(1, 1\)"):
         check_token_ids(tokens.view(2, 5), VOCAB)
 
 

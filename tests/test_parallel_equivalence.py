@@ -16,7 +16,8 @@ MODEL = ModelConfig(num_layers=4, hidden_size=32, ffn_hidden_size=64, num_attent
 def _data(dp_rank, dp):
     """The same global batch every step (so the loss must fall); micro-batch k of DP rank r holds
     sequences (k*dp + r)*MICRO ... of it."""
-    seqs = torch.randint(0, MODEL.vocab_size, (GLOBAL, MODEL.seq_length + 1), generator=torch.Generator().manual_seed(7))
+    g = torch.Generator().manual_seed(7)
+    seqs = torch.randint(0, MODEL.vocab_size, (GLOBAL, MODEL.seq_length + 1), generator=g)
     for _ in range(STEPS):
         for k in range(GLOBAL // (MICRO * dp)):
             s = seqs[(k * dp + dp_rank) * MICRO:(k * dp + dp_rank + 1) * MICRO]
@@ -88,6 +89,8 @@ def test_layout_matches_single_process(layout, reference):
     assert len(reference["losses"]) == STEPS and reference["losses"][-1] < reference["losses"][0]
     for rank, errors in enumerate(distributed.run(_train, world, tp, pp, dist_opt, reference, tp=tp, pp=pp)):
         assert errors["loss"] < 1e-5, f"{layout} rank {rank}: losses differ by {errors['loss']}"
-        assert errors["weights"] < 2e-5, f"{layout} rank {rank}: weights after {STEPS} steps differ by {errors['weights']}"
+        assert errors["weights"] < 2e-5, (
+            f"{layout} rank {rank}: weights after {STEPS} steps differ by {errors['weights']}"
+        )
         if "grads" in errors:
             assert errors["grads"] < 1e-5, f"{layout} rank {rank}: step-1 gradients differ by {errors['grads']}"

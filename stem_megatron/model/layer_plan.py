@@ -19,7 +19,9 @@ def stem_layer_indices(num_layers: int, ratio: str, layers: Optional[Sequence[in
     if layers is not None:
         bad = [i for i in layers if not 0 <= i < num_layers]
         if bad:
-            raise ValueError(f"STEM layer indices {bad} are out of range for num_layers={num_layers} (0..{num_layers - 1})")
+            raise ValueError(
+                f"STEM layer indices {bad} are out of range for num_layers={num_layers} (0..{num_layers - 1})"
+            )
         if len(set(layers)) != len(layers):
             raise ValueError(f"STEM layer indices {list(layers)} contain duplicates")
         return sorted(layers)

@@ -9,7 +9,6 @@ import socket
 import time
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.distributed import finalize_model_grads
@@ -37,9 +36,7 @@ def setup_model(cfg: RunConfig):
     """Model stage for this rank wrapped in megatron DDP, its optimizer and LR schedule."""
     gpu = parallel.on_gpu()
     tconfig = transformer_config(cfg.model, cfg.parallel, on_gpu=gpu)
-    model = build_gpt(cfg.model, cfg.stem, tconfig, use_te=gpu and _have_te())
-    if gpu:
-        model.cuda()
+    model = build_gpt(cfg.model, cfg.stem, tconfig, use_te=gpu and parallel.have_transformer_engine())
     model = wrap_ddp(model, tconfig, cfg.parallel)
     optimizer = build_optimizer(model, cfg.train, cfg.parallel, bf16=gpu)
     scheduler = build_scheduler(optimizer, cfg.train)
@@ -47,14 +44,6 @@ def setup_model(cfg: RunConfig):
     tconfig.grad_scale_func = optimizer.scale_loss
     tconfig.no_sync_func = model.no_sync
     return model, optimizer, scheduler
-
-
-def _have_te() -> bool:
-    try:
-        import transformer_engine  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 def run(cfg: RunConfig) -> list[dict]:

@@ -6,7 +6,6 @@ on any stage need them for ``U_l[t]``, the last stage needs the labels.
 
 from __future__ import annotations
 
-from functools import partial
 from typing import Iterator
 
 import torch

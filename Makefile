@@ -1,0 +1,16 @@
+# Entry points for a fresh machine (see README). `make demo` trains; `make test` runs every test.
+VENV ?= .venv
+NPROC ?= 2
+
+.PHONY: setup demo test bench
+setup:
+	bash tools/setup.sh
+
+demo: setup
+	$(VENV)/bin/torchrun --nproc_per_node $(NPROC) -m stem_megatron.train $(ARGS)
+
+test: setup
+	$(VENV)/bin/python -m pytest -q $(ARGS)
+
+bench: setup
+	$(VENV)/bin/python benchmarks/ffn_cost.py
