@@ -6,10 +6,12 @@ This script checks that claim and shows what it buys on a whole model:
 
 1. matmul FLOPs per token of one dense MLP and one STEM MLP (``torch.utils.flop_counter``), forward
    and forward+backward; the ratio is asserted to be exactly 2/3;
-2. forward+backward time per token of a tiny GPTModel, dense vs STEM-1/3 vs STEM-full, through the
-   training code's ``forward_backward`` (megatron schedule + DDP), next to the whole-model FLOP ratio.
-   Variants are timed round-robin (order rotated each round) and the median round is reported, so
-   machine noise hits all of them alike.
+2. forward+backward time per token of a tiny GPTModel, dense vs STEM-1/3 vs STEM-full: a training
+   step without the optimizer (zero the DDP grad buffer, then the training code's ``forward_backward``,
+   i.e. megatron's schedule and DDP grad sync), next to the whole-model matmul FLOP ratio.
+   Variants are timed round-robin (order rotated each round); times are medians over rounds and
+   time ratios medians of the per-round ratios (with their quartiles), so machine noise hits all
+   variants alike.
 
 Run: ``.venv/bin/python benchmarks/ffn_cost.py [--steps N] [--json]`` (CPU, one process).
 """
@@ -23,24 +25,21 @@ import os
 import socket
 import statistics
 import time
-import warnings
 from fractions import Fraction
+from functools import partial
 
 import torch
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer.spec_utils import build_module
 from torch.utils.flop_counter import FlopCounterMode
 
-warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
-
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: E402
-from megatron.core.transformer.spec_utils import build_module  # noqa: E402
-
-from stem_megatron import parallel  # noqa: E402
-from stem_megatron.config import ModelConfig, ParallelConfig, RunConfig, STEMConfig, TrainConfig  # noqa: E402
-from stem_megatron.model.gpt import transformer_config  # noqa: E402
-from stem_megatron.model.specs import stem_mlp_spec  # noqa: E402
-from stem_megatron.model.token_context import token_ids  # noqa: E402
-from stem_megatron.training.loop import setup_model  # noqa: E402
-from stem_megatron.training.step import forward_backward  # noqa: E402
+from stem_megatron import parallel
+from stem_megatron.config import ModelConfig, ParallelConfig, RunConfig, STEMConfig, TrainConfig
+from stem_megatron.model.gpt import transformer_config
+from stem_megatron.model.specs import stem_mlp_spec
+from stem_megatron.model.token_context import token_ids
+from stem_megatron.training.loop import setup_model
+from stem_megatron.training.step import forward_backward
 
 MODEL = ModelConfig(name="bench", num_layers=6, hidden_size=256, ffn_hidden_size=768, num_attention_heads=4,
                     vocab_size=4096, seq_length=128)
@@ -59,28 +58,28 @@ def count_flops(fn) -> int:
     return counter.get_total_flops()
 
 
+def mlp_flops(mlp, tokens: torch.Tensor) -> dict:
+    """Forward and forward+backward FLOPs per token of one MLP on ``tokens`` [b, s]."""
+    b, s = tokens.shape
+    x = torch.randn(s, b, MODEL.hidden_size, requires_grad=True)  # as in the model: the input needs a gradient
+
+    def forward():
+        with token_ids(tokens, MODEL.vocab_size):
+            return mlp(x)[0]
+
+    fwd = count_flops(forward)
+    fwd_bwd = count_flops(lambda: forward().backward(torch.randn_like(x)))
+    return {"fwd": fwd // (s * b), "fwd_bwd": fwd_bwd // (s * b)}
+
+
 def ffn_flops() -> dict:
-    """Matmul FLOPs per token of one dense and one STEM MLP, forward and forward+backward."""
+    """Matmul FLOPs per token of one dense and one STEM MLP; asserts STEM/dense == 2/3 exactly."""
     config = transformer_config(MODEL, ParallelConfig(), on_gpu=False)
-    v, s, b, h = MODEL.vocab_size, MODEL.seq_length, MICRO_BATCH, MODEL.hidden_size
-    mlps = {
-        "dense": build_module(get_gpt_layer_local_spec(normalization="RMSNorm").submodules.mlp, config=config,
-                              ffn_hidden_size=MODEL.ffn_hidden_size),
-        "stem": build_module(stem_mlp_spec("stem", v), config=config),
-    }
-    tokens = torch.randint(0, v, (b, s))
-    result = {}
-    for name, mlp in mlps.items():
-        x = torch.randn(s, b, h, requires_grad=True)  # as inside the model: the input needs a gradient
-
-        def forward():
-            with token_ids(tokens, v):
-                return mlp(x)[0]
-
-        def forward_backward_once():
-            forward().backward(torch.randn(s, b, h))
-
-        result[name] = {"fwd": count_flops(forward) // (s * b), "fwd_bwd": count_flops(forward_backward_once) // (s * b)}
+    dense = build_module(get_gpt_layer_local_spec(normalization="RMSNorm").submodules.mlp, config=config,
+                         ffn_hidden_size=MODEL.ffn_hidden_size)
+    stem = build_module(stem_mlp_spec("stem", MODEL.vocab_size), config=config)
+    tokens = torch.randint(0, MODEL.vocab_size, (MICRO_BATCH, MODEL.seq_length))
+    result = {"dense": mlp_flops(dense, tokens), "stem": mlp_flops(stem, tokens)}
     for phase in ("fwd", "fwd_bwd"):
         ratio = Fraction(result["stem"][phase], result["dense"][phase])
         assert ratio == Fraction(2, 3), f"STEM/dense {phase} matmul FLOPs = {ratio}, expected exactly 2/3"
@@ -100,7 +99,7 @@ def model_cost(steps: int, warmup: int) -> dict:
         model.zero_grad_buffer()
         forward_backward(model, data, 1, MICRO_BATCH, MODEL.seq_length, MODEL.vocab_size)
 
-    flops = {name: count_flops(lambda: step(model)) // tokens_per_step for name, model in models.items()}
+    flops = {name: count_flops(partial(step, model)) // tokens_per_step for name, model in models.items()}
     for _ in range(warmup):
         for model in models.values():
             step(model)
@@ -114,8 +113,10 @@ def model_cost(steps: int, warmup: int) -> dict:
     result = {name: {"flops_per_token": flops[name], "time_per_token_us": 1e6 * statistics.median(times[name]),
                      "params": sum(p.numel() for p in models[name].parameters())} for name in names}
     for name in names[1:]:
+        ratios = [t / d for t, d in zip(times[name], times["dense"], strict=True)]
         result[name]["flop_ratio"] = Fraction(flops[name], flops["dense"])
-        result[name]["time_ratio"] = result[name]["time_per_token_us"] / result["dense"]["time_per_token_us"]
+        result[name]["time_ratio"] = statistics.median(ratios)
+        result[name]["time_ratio_quartiles"] = statistics.quantiles(ratios, n=4)[::2]
     return result
 
 
@@ -127,23 +128,31 @@ def print_table(ffn: dict, model: dict, steps: int, seconds: float) -> None:
         print(f"  {label:10}{ffn['dense'][phase]:>12,}{ffn['stem'][phase]:>12,}{str(ffn['ratio_' + phase]):>12}")
     print(f"\nWhole model ({m.num_layers} layers, d={m.hidden_size}, d_ff={m.ffn_hidden_size}, V={m.vocab_size}, "
           f"{MICRO_BATCH}x{m.seq_length} tokens/step), forward+backward, median of {steps} rounds, "
-          f"{torch.get_num_threads()} threads:")
-    print(f"  {'':10}{'params':>12}{'MFLOP/tok':>11}{'us/tok':>9}{'FLOP ratio':>18}{'time ratio':>12}")
+          f"torch threads: {torch.get_num_threads()}")
+    print(f"  {'':10}{'params':>12}{'MFLOP/tok':>11}{'us/tok':>9}{'FLOP ratio':>18}{'time ratio (IQR)':>24}")
     for name, r in model.items():
         flop_ratio = f"{str(r['flop_ratio'])} = {float(r['flop_ratio']):.3f}" if "flop_ratio" in r else ""
-        time_ratio = f"{r['time_ratio']:.3f}" if "time_ratio" in r else ""
+        time_ratio = ""
+        if "time_ratio" in r:
+            q1, q3 = r["time_ratio_quartiles"]
+            time_ratio = f"{r['time_ratio']:.3f} ({q1:.3f}-{q3:.3f})"
         print(f"  {name:10}{r['params']:>12,}{r['flops_per_token'] / 1e6:>11.2f}{r['time_per_token_us']:>9.1f}"
-              f"{flop_ratio:>18}{time_ratio:>12}")
+              f"{flop_ratio:>18}{time_ratio:>24}")
     print(f"\n(total run time {seconds:.0f} s)")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=10, help="timed rounds (one step of every variant each)")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed rounds before timing")
+    parser.add_argument("--steps", type=int, default=15, help="timed rounds (one step of every variant each)")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed rounds before timing")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads; 1 keeps timings stable when other processes share the cores")
     parser.add_argument("--json", action="store_true", help="print a JSON dict instead of the table")
     args = parser.parse_args()
+    if args.steps < 2:
+        parser.error("--steps must be >= 2 (the time ratios report quartiles)")
     start = time.perf_counter()
+    torch.set_num_threads(args.threads)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

@@ -37,6 +37,8 @@ def setup_model(cfg: RunConfig):
     gpu = parallel.on_gpu()
     tconfig = transformer_config(cfg.model, cfg.parallel, on_gpu=gpu)
     model = build_gpt(cfg.model, cfg.stem, tconfig, use_te=gpu and parallel.have_transformer_engine())
+    if gpu:
+        model.cuda()  # megatron's torch RMSNorm (no TE) is created without a device
     model = wrap_ddp(model, tconfig, cfg.parallel)
     optimizer = build_optimizer(model, cfg.train, cfg.parallel, bf16=gpu)
     scheduler = build_scheduler(optimizer, cfg.train)
