@@ -45,9 +45,9 @@ MODEL = ModelConfig(name="bench", num_layers=6, hidden_size=256, ffn_hidden_size
                     vocab_size=4096, seq_length=128)
 MICRO_BATCH = 8
 VARIANTS = {
-    "dense": STEMConfig(variant="dense"),
-    "stem-1/3": STEMConfig(variant="stem", ratio="1/3"),
-    "stem-full": STEMConfig(variant="stem", ratio="full"),
+    "dense": STEMConfig(variant="dense", placement="device"),
+    "stem-1/3": STEMConfig(variant="stem", ratio="1/3", placement="device"),
+    "stem-full": STEMConfig(variant="stem", ratio="full", placement="device"),
 }
 SEED = 1234
 
@@ -91,7 +91,8 @@ def model_cost(steps: int, warmup: int) -> dict:
     """Whole-model forward+backward matmul FLOPs and median time per token of each variant."""
     tokens_per_step = MICRO_BATCH * MODEL.seq_length
     train = TrainConfig(micro_batch_size=MICRO_BATCH, global_batch_size=MICRO_BATCH, seed=SEED)
-    models = {name: setup_model(RunConfig(model=MODEL, stem=stem, train=train))[0] for name, stem in VARIANTS.items()}
+    models = {name: setup_model(RunConfig(model=MODEL, stem=stem, train=train)).model
+              for name, stem in VARIANTS.items()}
     batch = torch.randint(0, MODEL.vocab_size, (MICRO_BATCH, MODEL.seq_length + 1))
     data = itertools.repeat({"tokens": batch[:, :-1].contiguous(), "labels": batch[:, 1:].contiguous()})
 

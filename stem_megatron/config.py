@@ -42,6 +42,10 @@ class STEMConfig:
     layers: Optional[list[int]] = None  # explicit 0-based layer indices; overrides ratio
     # None: init_method_std * sqrt(hidden_size), the scale of the W_u x entries that U_l[t] replaces
     table_init_std: Optional[float] = None
+    placement: str = "host"  # host: node-shared host memory + prefetch + CPU Adam | device: a parameter
+    optimizer: str = "lazy"  # host tables: lazy (touched rows) | dense (every row, the paper's AdamW)
+    prefetch_depth: int = 2  # micro-batches fetched ahead (bounded queue)
+    cache_rows: int = 0  # hot rows per table kept on the compute device (0: no cache)
 
 
 @dataclass
@@ -122,6 +126,10 @@ def validate(cfg: RunConfig, world_size: int) -> int:
            f"{m.num_layers} layers are not divisible by pipeline_model_parallel_size={pp}")
     _check(s.variant in VARIANTS, "stem.variant", f"{s.variant!r} is not one of {sorted(VARIANTS)}")
     _check(s.ratio in RATIOS, "stem.ratio", f"{s.ratio!r} is not one of {sorted(RATIOS)}")
+    _check(s.placement in ("host", "device"), "stem.placement", f"{s.placement!r} is not 'host' or 'device'")
+    _check(s.optimizer in ("lazy", "dense"), "stem.optimizer", f"{s.optimizer!r} is not 'lazy' or 'dense'")
+    _check(s.prefetch_depth >= 1, "stem.prefetch_depth", "must be >= 1")
+    _check(s.cache_rows >= 0, "stem.cache_rows", "must be >= 0")
     try:
         stem_layer_indices(m.num_layers, s.ratio, s.layers)
     except ValueError as e:

@@ -17,6 +17,7 @@ from stem_megatron.config import RunConfig
 RECIPES = str(Path(__file__).resolve().parent.parent / "recipes")
 
 ConfigStore.instance().store(name="run_schema", node=RunConfig)
+OmegaConf.register_new_resolver("slug", lambda value: str(value).replace("/", "_"), replace=True)  # paths
 
 
 def to_run_config(cfg: DictConfig) -> RunConfig:

@@ -34,10 +34,11 @@ def _train(tp, pp, dist_opt, ref=None):
     from stem_megatron.training.loop import setup_model
     from stem_megatron.training.step import train_step
 
-    cfg = RunConfig(model=MODEL, stem=STEMConfig(variant="stem", ratio="1/2"),
+    cfg = RunConfig(model=MODEL, stem=STEMConfig(variant="stem", ratio="1/2", placement="device"),
                     parallel=ParallelConfig(tp, pp, use_distributed_optimizer=dist_opt),
                     train=TrainConfig(steps=STEPS, micro_batch_size=MICRO, global_batch_size=GLOBAL, lr=1e-2))
-    model, optimizer, scheduler = setup_model(cfg)
+    trainer = setup_model(cfg)
+    model = trainer.model
     params = dict(model.module.named_parameters())
     names = local_to_global(model.module)
     if ref is not None:
@@ -47,8 +48,7 @@ def _train(tp, pp, dist_opt, ref=None):
     dp = parallel_state.get_data_parallel_world_size()
     data = _data(parallel_state.get_data_parallel_rank(), dp)
     for step in range(STEPS):
-        out = train_step(model, optimizer, scheduler, data, GLOBAL // (MICRO * dp), MICRO, MODEL.seq_length,
-                         MODEL.vocab_size)
+        out = train_step(trainer, data, GLOBAL // (MICRO * dp), MICRO, MODEL.seq_length, MODEL.vocab_size)
         result["losses"].append(out["loss"])
         if step == 0:
             result["grads"] = snapshot(lambda p: p.main_grad)

@@ -10,7 +10,7 @@ import torch
 
 import distributed
 from conftest import VOCAB
-from stem_megatron.config import ModelConfig, RunConfig, TrainConfig
+from stem_megatron.config import ModelConfig, RunConfig, STEMConfig, TrainConfig
 from stem_megatron.model.token_context import token_ids
 
 
@@ -53,11 +53,11 @@ def _step_with_bad_batch():
     from stem_megatron.training.step import train_step
 
     cfg = RunConfig(model=ModelConfig(num_layers=2, vocab_size=64, seq_length=8),
-                    train=TrainConfig(micro_batch_size=1, global_batch_size=1))
-    model, optimizer, scheduler = setup_model(cfg)
+                    stem=STEMConfig(placement="device"), train=TrainConfig(micro_batch_size=1, global_batch_size=1))
+    trainer = setup_model(cfg)
     tokens = torch.tensor([[1, 2, 64, 3, 4, 5, 6, 7]])
     try:
-        train_step(model, optimizer, scheduler, iter([{"tokens": tokens, "labels": tokens}]), 1, 1, 8, 64)
+        train_step(trainer, iter([{"tokens": tokens, "labels": tokens}]), 1, 1, 8, 64)
     except ValueError as e:
         return str(e)
     return None

@@ -6,12 +6,12 @@ import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
+from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from stem_megatron.config import ModelConfig, ParallelConfig, STEMConfig
 from stem_megatron.model.layer_plan import stem_layer_indices
-from stem_megatron.model.row_source import DeviceRowTable
-from stem_megatron.model.specs import decoder_block_spec
+from stem_megatron.model.specs import decoder_block_spec, device_rows
 
 
 def transformer_config(
@@ -53,20 +53,28 @@ def transformer_config(
     )
 
 
+def planned_stem_layers(model: ModelConfig, stem: STEMConfig) -> list[int]:
+    """Global 0-based indices of the STEM layers of the whole model."""
+    return [] if stem.variant == "dense" else stem_layer_indices(model.num_layers, stem.ratio, stem.layers)
+
+
 def build_gpt(
     model: ModelConfig,
     stem: STEMConfig,
     config: TransformerConfig,
-    row_source: type = DeviceRowTable,
+    row_source: ModuleSpec | None = None,
     use_te: bool = False,
     pre_process: bool | None = None,
     post_process: bool | None = None,
     pp_rank: int | None = None,
 ) -> GPTModel:
-    """This rank's GPTModel stage with STEM MLPs on the planned layers; embeddings untied (paper §4.1)."""
-    layers = [] if stem.variant == "dense" else stem_layer_indices(model.num_layers, stem.ratio, stem.layers)
+    """This rank's GPTModel stage with STEM MLPs on the planned layers; embeddings untied (paper §4.1).
+
+    ``row_source`` is the spec of the module serving ``U_l`` rows (default: a device parameter).
+    """
     spec = decoder_block_spec(
-        config, layers, stem.variant, model.vocab_size, stem.table_init_std, row_source, use_te, pp_rank
+        config, planned_stem_layers(model, stem), stem.variant, model.vocab_size,
+        row_source or device_rows(stem.table_init_std), use_te, pp_rank,
     )
     if pre_process is None:
         pre_process = parallel_state.is_pipeline_first_stage()

@@ -31,19 +31,23 @@ def linear_classes(use_te: bool):
     return ColumnParallelLinear, RowParallelLinear
 
 
+def device_rows(table_init_std: Optional[float] = None) -> ModuleSpec:
+    """Row source keeping ``U_l`` as a device parameter (reference path, small runs)."""
+    return ModuleSpec(module=DeviceRowTable, params={"init_std": table_init_std})
+
+
 def stem_mlp_spec(
     variant: str,
     vocab_size: int,
-    table_init_std: Optional[float] = None,
-    row_source: type = DeviceRowTable,
+    row_source: Optional[ModuleSpec] = None,
     use_te: bool = False,
 ) -> ModuleSpec:
     """ModuleSpec of one STEM-family MLP; ``row_source`` decides where ``U_l`` lives."""
     column, row = linear_classes(use_te)
     return ModuleSpec(
         module=STEMMLP,
-        submodules=STEMMLPSubmodules(W_g=column, W_u=column, W_d=row, U_l=row_source),
-        params={"variant": variant, "vocab_size": vocab_size, "table_init_std": table_init_std},
+        submodules=STEMMLPSubmodules(W_g=column, W_u=column, W_d=row, U_l=row_source or device_rows()),
+        params={"variant": variant, "vocab_size": vocab_size},
     )
 
 
@@ -52,15 +56,14 @@ def decoder_block_spec(
     stem_layers: Sequence[int],
     variant: str,
     vocab_size: int,
-    table_init_std: Optional[float] = None,
-    row_source: type = DeviceRowTable,
+    row_source: ModuleSpec,
     use_te: bool = False,
     pp_rank: Optional[int] = None,
 ) -> TransformerBlockSubmodules:
     """This pipeline stage's layer specs, STEM MLPs at the global indices in ``stem_layers``."""
     block = get_gpt_decoder_block_spec(config, use_transformer_engine=use_te, normalization="RMSNorm", pp_rank=pp_rank)
     offset = get_transformer_layer_offset(config, pp_rank=pp_rank)
-    mlp = stem_mlp_spec(variant, vocab_size, table_init_std, row_source, use_te)
+    mlp = stem_mlp_spec(variant, vocab_size, row_source, use_te)
     wanted = set(stem_layers)
     layer_specs = [
         dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, mlp=mlp))

@@ -42,7 +42,6 @@ class STEMMLP(MegatronModule):
         submodules: STEMMLPSubmodules,
         variant: str,
         vocab_size: int,
-        table_init_std: Optional[float] = None,
     ):
         super().__init__(config=config)
         if variant not in STEM_VARIANTS:
@@ -61,7 +60,7 @@ class STEMMLP(MegatronModule):
             self.W_g = column_parallel(submodules.W_g, "fc1")
         if variant in ("stem_dagger", "stem_gate"):
             self.W_u = column_parallel(submodules.W_u, "fc1_up")
-        self.U_l = build_module(submodules.U_l, config=config, vocab_size=vocab_size, init_std=table_init_std)
+        self.U_l = build_module(submodules.U_l, config=config, vocab_size=vocab_size)
         self.W_d = build_module(
             submodules.W_d, d_ff, d, config=config, init_method=config.output_layer_init_method,
             bias=False, input_is_parallel=True, skip_bias_add=True, is_expert=False, tp_comm_buffer_name="fc2",
@@ -70,6 +69,8 @@ class STEMMLP(MegatronModule):
     def set_layer_number(self, layer_number: int) -> None:
         """Called by megatron's TransformerLayer with the global 1-based layer number."""
         self.layer_number = layer_number
+        if hasattr(self.U_l, "set_layer_number"):
+            self.U_l.set_layer_number(layer_number)
 
     def forward(self, hidden_states: torch.Tensor, **_kwargs):
         """hidden_states [s, b, h] -> (output [s, b, h], None)."""

@@ -9,14 +9,27 @@ import socket
 import time
 from pathlib import Path
 
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
-from megatron.core.distributed import finalize_model_grads
+from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
+from megatron.core.optimizer import MegatronOptimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import get_num_layers_to_build
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
 from stem_megatron import parallel
 from stem_megatron.config import RunConfig, validate
 from stem_megatron.data.batches import TokenWindows, micro_batches
-from stem_megatron.model.gpt import build_gpt, transformer_config
+from stem_megatron.model.gpt import build_gpt, planned_stem_layers, transformer_config
+from stem_megatron.stem.prefetch import RowPrefetcher
+from stem_megatron.stem.row_source import HostRowSource
+from stem_megatron.stem.store import HostTableStore, default_init_std
 from stem_megatron.training.metrics import MetricsWriter
 from stem_megatron.training.optim import build_optimizer, build_scheduler, wrap_ddp
 from stem_megatron.training.step import train_step
@@ -32,11 +45,42 @@ def _single_process_env() -> None:
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
 
 
-def setup_model(cfg: RunConfig):
-    """Model stage for this rank wrapped in megatron DDP, its optimizer and LR schedule."""
+@dataclass
+class Trainer:
+    """What a training step needs: the DDP-wrapped stage, its optimizer and schedule, the STEM store."""
+
+    model: DistributedDataParallel
+    optimizer: MegatronOptimizer
+    scheduler: OptimizerParamScheduler
+    store: Optional[HostTableStore]
+
+
+def build_store(cfg: RunConfig, tconfig: TransformerConfig, device: torch.device) -> HostTableStore:
+    """The host tables of this pipeline stage's STEM layers (collective: every rank builds one)."""
+    first = get_transformer_layer_offset(tconfig) + 1
+    local = range(first, first + get_num_layers_to_build(tconfig))
+    layers = [i + 1 for i in planned_stem_layers(cfg.model, cfg.stem) if i + 1 in local]
+    t, m = cfg.train, cfg.model
+    return HostTableStore(
+        layers, m.vocab_size, m.ffn_hidden_size,
+        default_init_std(m.init_method_std, m.hidden_size, cfg.stem.table_init_std), t.seed,
+        optimizer=cfg.stem.optimizer, betas=(t.adam_beta1, t.adam_beta2), eps=1e-8,
+        weight_decay=t.weight_decay, cache_rows=cfg.stem.cache_rows, device=device,
+    )
+
+
+def setup_model(cfg: RunConfig) -> Trainer:
+    """Model stage for this rank wrapped in megatron DDP, its optimizer and LR schedule, and (with
+    ``stem.placement=host``) the host table store its STEM layers read from."""
     gpu = parallel.on_gpu()
     tconfig = transformer_config(cfg.model, cfg.parallel, on_gpu=gpu)
-    model = build_gpt(cfg.model, cfg.stem, tconfig, use_te=gpu and parallel.have_transformer_engine())
+    store, row_source = None, None
+    if cfg.stem.placement == "host":
+        device = torch.device("cuda", torch.cuda.current_device()) if gpu else torch.device("cpu")
+        store = build_store(cfg, tconfig, device)
+        row_source = ModuleSpec(module=HostRowSource, params={"store": store})
+    model = build_gpt(cfg.model, cfg.stem, tconfig, row_source=row_source,
+                      use_te=gpu and parallel.have_transformer_engine())
     if gpu:
         model.cuda()  # megatron's torch RMSNorm (no TE) is created without a device
     model = wrap_ddp(model, tconfig, cfg.parallel)
@@ -45,7 +89,7 @@ def setup_model(cfg: RunConfig):
     tconfig.finalize_model_grads_func = finalize_model_grads
     tconfig.grad_scale_func = optimizer.scale_loss
     tconfig.no_sync_func = model.no_sync
-    return model, optimizer, scheduler
+    return Trainer(model, optimizer, scheduler, store)
 
 
 def run(cfg: RunConfig) -> list[dict]:
@@ -64,10 +108,12 @@ def run(cfg: RunConfig) -> list[dict]:
 def _train(cfg: RunConfig, dp: int, windows: TokenWindows) -> list[dict]:
     t = cfg.train
     rank0 = dist.get_rank() == 0
-    model, optimizer, scheduler = setup_model(cfg)
+    trainer = setup_model(cfg)
     n_micro = t.global_batch_size // (t.micro_batch_size * dp)
     data = micro_batches(windows, t.micro_batch_size, parallel_state.get_data_parallel_rank(), dp,
                          num_micro_batches=n_micro, seed=t.seed)
+    if trainer.store is not None:
+        data = RowPrefetcher(data, trainer.store, n_micro, cfg.model.vocab_size, cfg.stem.prefetch_depth)
     if rank0:
         Path(cfg.out_dir).mkdir(parents=True, exist_ok=True)
         (Path(cfg.out_dir) / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
@@ -76,13 +122,16 @@ def _train(cfg: RunConfig, dp: int, windows: TokenWindows) -> list[dict]:
     tokens_per_step = t.global_batch_size * cfg.model.seq_length
     for step in range(1, t.steps + 1):
         start = time.perf_counter()
-        out = train_step(model, optimizer, scheduler, data, n_micro, t.micro_batch_size,
-                         cfg.model.seq_length, cfg.model.vocab_size)
+        out = train_step(trainer, data, n_micro, t.micro_batch_size, cfg.model.seq_length, cfg.model.vocab_size)
         elapsed = time.perf_counter() - start
         record = {"step": step, **out, "step_time_s": elapsed, "tokens": step * tokens_per_step,
                   "tokens_per_s": tokens_per_step / elapsed}
+        if trainer.store is not None:
+            record.update(trainer.store.take_stats(), stem_prefetch_wait_s=data.take_wait_s())
         records.append(record)
         if step % t.log_interval == 0 or step == t.steps:
             writer.log(record)
     writer.close()
+    if trainer.store is not None:
+        data.close()
     return records

@@ -6,11 +6,13 @@ on any stage need them for ``U_l[t]``, the last stage needs the labels.
 
 from __future__ import annotations
 
+import math
 from typing import Iterator
 
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
+from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from stem_megatron.model.token_context import token_ids
@@ -29,7 +31,7 @@ def make_forward_step(vocab_size: int):
         batch = next(data_iterator)
         tokens, labels = batch["tokens"], batch["labels"]
         position_ids = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0).expand_as(tokens)
-        with token_ids(tokens, vocab_size):
+        with token_ids(tokens, vocab_size, batch.get("stem")):
             output = model(tokens, position_ids, None, labels=labels)
         return output, _loss_func
 
@@ -60,14 +62,35 @@ def global_mean_loss(losses: list[dict]) -> float:
     return float(local[0] / local[1])
 
 
-def train_step(model, optimizer, scheduler, data_iterator, num_micro_batches, micro_batch_size, seq_length,
-               vocab_size) -> dict:
+def train_step(trainer, data_iterator, num_micro_batches, micro_batch_size, seq_length, vocab_size) -> dict:
     """Zero grads, forward/backward all micro-batches, DP-reduce grads, clip, step, advance the LR."""
+    model, optimizer = trainer.model, trainer.optimizer
     model.zero_grad_buffer()
     optimizer.zero_grad()
     loss = forward_backward(model, data_iterator, num_micro_batches, micro_batch_size, seq_length, vocab_size)
-    ok, grad_norm, _ = optimizer.step()
     lr = optimizer.param_groups[0]["lr"]
-    scheduler.step(increment=1)
+    if trainer.store is None:
+        ok, grad_norm, _ = optimizer.step()
+    else:
+        ok, grad_norm = _step_with_host_tables(optimizer, trainer.store, lr)
+    trainer.scheduler.step(increment=1)
     return {"loss": loss, "grad_norm": float(grad_norm) if grad_norm is not None else None, "lr": lr,
             "update_skipped": not ok}
+
+
+def _step_with_host_tables(optimizer, store, lr: float) -> tuple[bool, float]:
+    """megatron's optimizer step split open (as its ChainedOptimizer does) so the global grad norm
+    and clipping cover the dense grads and the host STEM grads together; then CPU Adam on the rows."""
+    if optimizer.prepare_grads():
+        raise FloatingPointError("non-finite gradients in the dense parameters")
+    dense_norm = float(optimizer.get_grad_norm())
+    grad_norm = math.sqrt(dense_norm**2 + float(store.reduce_gradients()))
+    clip = optimizer.config.clip_grad
+    if clip > 0.0:
+        clip_grad_by_total_norm_fp32(optimizer.get_parameters(), clip, grad_norm)
+        coef = clip / (grad_norm + 1.0e-6)  # megatron's clip coefficient
+        if coef < 1.0:
+            store.scale_gradients(coef)
+    ok = optimizer.step_with_ready_grads()
+    store.step(lr)
+    return ok, grad_norm

@@ -1,0 +1,1 @@
+"""Host-resident STEM tables: node-shared storage, prefetch, touched-row gradients, CPU Adam."""

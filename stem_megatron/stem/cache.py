@@ -1,0 +1,58 @@
+"""Hot-row cache: the most frequent token rows of each STEM table kept on the compute device.
+
+Paper §3.1.1: the memory freed by dropping ``W_u`` can hold the hottest rows (token frequencies are
+Zipfian, so a few thousand rows cover most lookups). Rows are chosen from the token counts seen so
+far, re-chosen every ``refresh_every`` steps, and rows the optimizer updated are re-read after every
+step, so a cached row is never stale.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class HotRowCache:
+    """Per-layer device copies of the ``capacity`` most frequent rows; a capacity of 0 disables it."""
+
+    def __init__(self, capacity: int, vocab_size: int, device: torch.device, refresh_every: int = 50):
+        self.capacity = min(capacity, vocab_size)
+        self.device = device
+        self.refresh_every = refresh_every
+        self.counts = torch.zeros(vocab_size, dtype=torch.int64)
+        self.ids = torch.empty(0, dtype=torch.int64)
+        self.rows: dict[int, torch.Tensor] = {}
+        self.hits = self.lookups = 0
+
+    def observe(self, uniq: torch.Tensor, counts: torch.Tensor) -> None:
+        self.counts.index_add_(0, uniq, counts)
+
+    def split(self, uniq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(hit mask over ``uniq``, positions of the hits in the cache)."""
+        if self.ids.numel() == 0:
+            return torch.zeros_like(uniq, dtype=torch.bool), torch.empty(0, dtype=torch.int64)
+        pos = torch.searchsorted(self.ids, uniq).clamp_(max=self.ids.numel() - 1)
+        hit = self.ids[pos] == uniq
+        self.hits += int(hit.sum())
+        self.lookups += uniq.numel()
+        return hit, pos[hit]
+
+    def refresh(self, step: int, tables: dict[int, torch.Tensor], updated: dict[int, torch.Tensor] | None) -> None:
+        """After an optimizer step: re-choose rows every ``refresh_every`` steps, else re-read the
+        cached rows that were updated (``updated=None``: all of them changed)."""
+        if self.capacity == 0:
+            return
+        if step % self.refresh_every == 1 or self.ids.numel() == 0:
+            self.ids = torch.sort(torch.topk(self.counts, self.capacity).indices).values
+            updated = None
+        for layer, table in tables.items():
+            if updated is None or layer not in self.rows:
+                self.rows[layer] = table.index_select(0, self.ids).to(self.device)
+                continue
+            changed = torch.isin(self.ids, updated[layer])
+            if changed.any():
+                self.rows[layer][changed.to(self.device)] = table.index_select(0, self.ids[changed]).to(self.device)
+
+    def take_hit_rate(self) -> float | None:
+        rate = self.hits / self.lookups if self.lookups else None
+        self.hits = self.lookups = 0
+        return rate

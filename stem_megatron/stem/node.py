@@ -1,0 +1,80 @@
+"""Who shares a node's host memory, and tensors allocated once per node in /dev/shm.
+
+A STEM table is needed by every local rank of the pipeline stage that owns its layer (each TP rank
+reads its column block, DP replicas on the node read the same block). It is mapped from one tmpfs
+file per node: the node's first rank that needs it creates and initialises it, the others map the
+same pages, and the file name is unlinked once everyone has it mapped, so a crashed run leaks no
+/dev/shm file. Ranks are assumed to be placed node by node (torchrun / srun block placement).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+SHM_DIR = "/dev/shm"
+
+
+@dataclass
+class NodeLayout:
+    """This rank's node, the node's process group, and its DP peers on the same node."""
+
+    node: int
+    group: dist.ProcessGroup
+    local_dp_peers: list[int]  # global ranks in my DP group on my node, sorted (includes me)
+
+    @property
+    def peer_index(self) -> int:
+        return self.local_dp_peers.index(dist.get_rank())
+
+
+def node_layout(dp_ranks: Sequence[int]) -> NodeLayout:
+    """Collective over the world: every rank passes the global ranks of its DP group."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
+    world = dist.get_world_size()
+    node = dist.get_rank() // local
+    group = None
+    for n in range(world // local):  # every rank creates every node group, in the same order
+        g = dist.new_group(list(range(n * local, (n + 1) * local)), backend="gloo")  # host-side sync
+        if n == node:
+            group = g
+    peers = sorted(r for r in dp_ranks if r // local == node)
+    return NodeLayout(node=node, group=group, local_dp_peers=peers)
+
+
+def shared_tensors(
+    names: Sequence[str],
+    shape: tuple[int, ...],
+    group: dist.ProcessGroup,
+    init: Callable[[str, torch.Tensor], None],
+    dtype: torch.dtype = torch.float32,
+) -> dict[str, torch.Tensor]:
+    """Map one node-shared tensor per name (collective over the node ``group``).
+
+    Every rank of the group calls this with the names it needs; the lowest rank needing a name
+    creates the file and runs ``init(name, tensor)`` before anyone else reads it.
+    """
+    needed: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(needed, sorted(names), group=group)
+    me = dist.get_rank(group)
+    mine_to_create = [n for n in names if min(i for i, ns in enumerate(needed) if n in ns) == me]
+    numel = math.prod(shape)
+    for name in mine_to_create:
+        path = os.path.join(SHM_DIR, name)
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        os.ftruncate(fd, numel * torch.tensor([], dtype=dtype).element_size())
+        os.close(fd)
+    dist.barrier(group)
+    tensors = {n: torch.from_file(os.path.join(SHM_DIR, n), shared=True, size=numel, dtype=dtype).view(shape)
+               for n in names}
+    for name in mine_to_create:
+        init(name, tensors[name])
+    dist.barrier(group)  # initialised and mapped everywhere: the names can go
+    for name in mine_to_create:
+        os.unlink(os.path.join(SHM_DIR, name))
+    return tensors

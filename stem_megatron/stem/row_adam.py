@@ -1,0 +1,48 @@
+"""Adam on table rows with DeepSpeed's CPU Adam kernel (AVX, multi-threaded C++).
+
+``lazy`` (default) updates only the rows a step touched: their moments and weights, with weight
+decay on those rows only and bias correction by the global step (the semantics of
+``torch.optim.SparseAdam`` / TF LazyAdam). ``dense`` runs AdamW over every row of the table with zero
+gradients for untouched rows: exactly the optimizer the paper describes (moments of untouched rows
+decay, weight decay applies to all rows), at a cost that grows with V instead of touched rows.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+
+import torch
+
+_ids = itertools.count(10_000)  # DeepSpeedCPUAdam instances in the same process count from 0
+
+
+def _kernel():
+    if not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    from deepspeed.ops.op_builder import CPUAdamBuilder
+
+    return CPUAdamBuilder().load()
+
+
+class RowAdam:
+    """AdamW (decoupled weight decay) applied in place to contiguous fp32 row blocks."""
+
+    def __init__(self, betas: tuple[float, float], eps: float, weight_decay: float):
+        self.kernel = _kernel()
+        self.opt_id = next(_ids)
+        self.beta1, self.beta2 = betas
+        self.eps, self.weight_decay = eps, weight_decay
+        self.kernel.create_adam(self.opt_id, 0.0, self.beta1, self.beta2, eps, weight_decay, True, False)
+
+    def update(self, step: int, lr: float, param, grad, exp_avg, exp_avg_sq) -> None:
+        """One AdamW step for ``param`` rows (all four tensors contiguous, same shape, fp32)."""
+        if param.numel() == 0:
+            return
+        self.kernel.adam_update(self.opt_id, step, lr, self.beta1, self.beta2, self.eps, self.weight_decay,
+                                True, param, grad, exp_avg, exp_avg_sq)
+
+    def __del__(self):
+        kernel = getattr(self, "kernel", None)
+        if kernel is not None:
+            kernel.destroy_adam(self.opt_id)

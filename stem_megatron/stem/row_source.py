@@ -1,0 +1,40 @@
+"""``HostRowSource``: the row source of a STEM layer whose ``U_l`` lives in the host store.
+
+It holds no parameters. Its forward takes the rows the prefetcher fetched for this micro-batch
+(unique ids x this TP rank's columns), makes them a leaf tensor the store keeps, and expands them to
+tokens with the inverse index; backward of that expansion is an ``index_add`` into the compact
+leaf, so only touched rows ever carry a gradient.
+"""
+
+from __future__ import annotations
+
+import torch
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from stem_megatron.model.token_context import current_prefetched
+from stem_megatron.stem.store import HostTableStore
+
+
+class HostRowSource(MegatronModule):
+    def __init__(self, config: TransformerConfig, vocab_size: int, store: HostTableStore):
+        super().__init__(config=config)
+        if vocab_size != store.vocab_size:
+            raise ValueError(f"STEM layer vocab_size {vocab_size} != host store vocab_size {store.vocab_size}")
+        self.store = store
+        self.layer_number: int | None = None
+
+    def set_layer_number(self, layer_number: int) -> None:
+        if layer_number not in self.store.layers:
+            raise ValueError(f"layer {layer_number} has no table in the host store (has {self.store.layers})")
+        self.layer_number = layer_number
+
+    def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """token_ids [s, b] -> rows [s, b, d_ff/tp] (the ids come prefetched with their rows)."""
+        prefetched = current_prefetched()
+        prefetched.fetched.wait()
+        rows = prefetched.fetched.rows[self.layer_number]
+        if torch.is_grad_enabled():
+            rows = rows.detach().requires_grad_()
+            self.store.register(self.layer_number, prefetched.uniq, rows)
+        return rows[prefetched.inverse.t()]

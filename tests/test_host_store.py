@@ -1,0 +1,225 @@
+"""The host-resident STEM store: same training as the on-device table, lazy updates leave untouched
+rows alone, one copy of the tables per node, prefetch errors surface with their cause."""
+
+import os
+
+import pytest
+import torch
+
+import distributed
+from stem_megatron.config import ModelConfig, ParallelConfig, RunConfig, STEMConfig, TrainConfig
+
+MICRO, GLOBAL, STEPS = 2, 4, 20
+MODEL = ModelConfig(num_layers=4, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4, vocab_size=128,
+                    seq_length=16)
+
+
+def _cfg(tp, pp, placement, optimizer="dense", steps=STEPS):
+    stem = STEMConfig(variant="stem", ratio="1/2", placement=placement, optimizer=optimizer)
+    return RunConfig(model=MODEL, stem=stem,
+                     parallel=ParallelConfig(tp, pp),
+                     train=TrainConfig(steps=steps, micro_batch_size=MICRO, global_batch_size=GLOBAL, lr=1e-2))
+
+
+def _data(dp_rank, dp, steps=STEPS):
+    """A new global batch each step; micro-batch k of DP rank r holds sequences (k*dp + r)*MICRO ..."""
+    g = torch.Generator().manual_seed(11)
+    for _ in range(steps):
+        seqs = torch.randint(0, MODEL.vocab_size, (GLOBAL, MODEL.seq_length + 1), generator=g)
+        for k in range(GLOBAL // (MICRO * dp)):
+            s = seqs[(k * dp + dp_rank) * MICRO:(k * dp + dp_rank + 1) * MICRO]
+            yield {"tokens": s[:, :-1], "labels": s[:, 1:]}
+
+
+def _device_tables(model):
+    """V x d_ff tables of the on-device STEM layers of this stage (TP column blocks gathered)."""
+    from megatron.core import parallel_state
+    from stem_megatron.model.stem_mlp import STEMMLP
+
+    tables = {}
+    for module in model.modules():
+        if isinstance(module, STEMMLP):
+            tp_group = parallel_state.get_tensor_model_parallel_group()
+            parts = [torch.empty_like(module.U_l.weight) for _ in range(torch.distributed.get_world_size(tp_group))]
+            torch.distributed.all_gather(parts, module.U_l.weight.detach(), group=tp_group)
+            tables[module.layer_number] = torch.cat(parts, dim=1)
+    return tables
+
+
+def _host_vs_device(tp, pp):
+    """20 steps with the host store (dense CPU Adam = AdamW on every row) vs the device table."""
+    from megatron.core import parallel_state
+    from stem_megatron.stem.prefetch import RowPrefetcher
+    from stem_megatron.training.loop import setup_model
+    from stem_megatron.training.step import train_step
+
+    dev, host = setup_model(_cfg(tp, pp, "device")), setup_model(_cfg(tp, pp, "host"))
+    dev_params = dict(dev.model.module.named_parameters())
+    with torch.no_grad():
+        for name, p in host.model.module.named_parameters():
+            p.copy_(dev_params[name])
+    host.store.load_tables(_device_tables(dev.model))
+    assert sorted(host.store.layers) == sorted(_device_tables(dev.model))
+    dp, dp_rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
+    n_micro = GLOBAL // (MICRO * dp)
+    dev_data = _data(dp_rank, dp)
+    host_data = RowPrefetcher(_data(dp_rank, dp), host.store, n_micro, MODEL.vocab_size)
+    errors = {"loss": 0.0, "grad_norm": 0.0}
+    for _ in range(STEPS):
+        a = train_step(dev, dev_data, n_micro, MICRO, MODEL.seq_length, MODEL.vocab_size)
+        b = train_step(host, host_data, n_micro, MICRO, MODEL.seq_length, MODEL.vocab_size)
+        errors["loss"] = max(errors["loss"], abs(a["loss"] - b["loss"]))
+        errors["grad_norm"] = max(errors["grad_norm"], abs(a["grad_norm"] - b["grad_norm"]))
+    host_data.close()
+    errors["dense_weights"] = max((p - dev_params[n]).abs().max().item()
+                                  for n, p in host.model.module.named_parameters())
+    dev_tables = _device_tables(dev.model)
+    errors["tables"] = max([(host.store.table(layer) - t).abs().max().item() for layer, t in dev_tables.items()],
+                           default=0.0)
+    errors["tables_checked"] = len(dev_tables)
+    return errors
+
+
+LAYOUTS = {"tp2": (2, 1), "pp2": (1, 2), "dp2": (1, 1)}  # (tp, pp) on two processes
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_host_store_trains_like_device_table(layout):
+    tp, pp = LAYOUTS[layout]
+    results = distributed.run(_host_vs_device, 2, tp, pp, tp=tp, pp=pp)
+    assert sum(r["tables_checked"] for r in results) > 0
+    for rank, e in enumerate(results):
+        assert e["loss"] < 1e-4, f"{layout} rank {rank}: losses differ by {e['loss']}"
+        assert e["grad_norm"] < 1e-4, f"{layout} rank {rank}: grad norms (clipping) differ by {e['grad_norm']}"
+        assert e["dense_weights"] < 1e-4, f"{layout} rank {rank}: dense weights differ by {e['dense_weights']}"
+        assert e["tables"] < 1e-4, f"{layout} rank {rank}: table rows differ by {e['tables']}"
+
+
+def _lazy_untouched_rows():
+    """A lazy step at DP=2 (the second: the first has lr 0 in warmup): rows no replica touched in it are
+    bit-identical afterwards, touched rows moved."""
+    from megatron.core import parallel_state
+    from stem_megatron.stem.prefetch import RowPrefetcher
+    from stem_megatron.training.loop import setup_model
+    from stem_megatron.training.step import train_step
+
+    trainer = setup_model(_cfg(1, 1, "host", optimizer="lazy", steps=2))
+    dp, dp_rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
+    n_micro = GLOBAL // (MICRO * dp)
+    step2 = [b["tokens"].flatten() for r in range(dp) for b in list(_data(r, dp, steps=2))[n_micro:]]
+    touched = torch.unique(torch.cat(step2))
+    data = RowPrefetcher(_data(dp_rank, dp, steps=2), trainer.store, n_micro, MODEL.vocab_size)
+    train_step(trainer, data, n_micro, MICRO, MODEL.seq_length, MODEL.vocab_size)
+    before = {layer: trainer.store.table(layer) for layer in trainer.store.layers}
+    out = train_step(trainer, data, n_micro, MICRO, MODEL.seq_length, MODEL.vocab_size)
+    assert out["lr"] > 0
+    data.close()
+    untouched = torch.ones(MODEL.vocab_size, dtype=torch.bool)
+    untouched[touched] = False
+    out = {}
+    for layer, old in before.items():
+        new = trainer.store.table(layer)
+        out[layer] = (torch.equal(new[untouched], old[untouched]), bool((new[touched] != old[touched]).all(dim=1).all()),
+                      int(untouched.sum()))
+    return out
+
+
+@pytest.mark.slow
+def test_lazy_step_leaves_untouched_rows_bit_identical():
+    for per_layer in distributed.run(_lazy_untouched_rows, 2):
+        assert per_layer
+        for layer, (same, moved, n_untouched) in per_layer.items():
+            assert n_untouched > 0
+            assert same, f"layer {layer}: a row no token touched changed"
+            assert moved, f"layer {layer}: a touched row did not change"
+
+
+def _table_mappings() -> dict:
+    """Rss and Pss (bytes) of this process's mappings of STEM table files in /dev/shm."""
+    totals, inside = {"Rss": 0, "Pss": 0}, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            fields = line.split()
+            if "-" in fields[0] and ":" not in fields[0]:  # a mapping's header line
+                inside = "/dev/shm/stem-" in line
+            elif inside and fields[0].rstrip(":") in totals:
+                totals[fields[0].rstrip(":")] += int(fields[1]) * 1024
+    return totals
+
+
+def _shm_used() -> int:
+    st = os.statvfs("/dev/shm")
+    return (st.f_blocks - st.f_bfree) * st.f_frsize
+
+
+def _memory_per_node():
+    """Both ranks (one node, DP=2) attach the same tables and read every page."""
+    import torch.distributed as dist
+    from stem_megatron.stem.store import HostTableStore
+
+    dist.barrier()
+    shm0 = _shm_used()
+    store = HostTableStore([1, 2], vocab_size=8192, d_ff=512, init_std=1.0, seed=0)
+    dist.barrier()
+    total = sum(float(t.sum()) for t in store.full.values())  # fault in every page in this process
+    dist.barrier()
+    return {"shm": _shm_used() - shm0, "bytes": store.host_bytes, "total": total, **_table_mappings()}
+
+
+@pytest.mark.slow
+def test_tables_are_allocated_once_per_node():
+    results = distributed.run(_memory_per_node, 2)
+    table_bytes = results[0]["bytes"]
+    assert table_bytes == 2 * 3 * 8192 * 512 * 4  # 2 layers x (U_l + 2 moments), fp32
+    shm = results[0]["shm"]
+    assert 0.95 * table_bytes <= shm <= 1.05 * table_bytes, f"/dev/shm grew by {shm} for {table_bytes} of tables"
+    for r in results:  # each rank sees every page of the tables ...
+        assert r["Rss"] == table_bytes and r["total"] == results[0]["total"]
+    pss = sum(r["Pss"] for r in results)  # ... but the pages are shared: proportional sizes add up to one copy
+    assert pss == pytest.approx(table_bytes, rel=0.01), f"two ranks hold {pss} B for {table_bytes} B of tables"
+
+
+class _Boom(Exception):
+    pass
+
+
+def _failing_data():
+    yield {"tokens": torch.zeros(1, 4, dtype=torch.long), "labels": torch.zeros(1, 4, dtype=torch.long)}
+    raise _Boom("disk went away")
+
+
+def _prefetch_errors():
+    from stem_megatron.stem.prefetch import RowPrefetcher
+    from stem_megatron.stem.store import HostTableStore
+
+    store = HostTableStore([1], vocab_size=16, d_ff=8, init_std=1.0, seed=0)
+    out = {}
+    prefetcher = RowPrefetcher(_failing_data(), store, num_micro_batches=1, vocab_size=16)
+    next(prefetcher)
+    try:
+        next(prefetcher)
+    except RuntimeError as e:
+        out["cause"] = (type(e.__cause__).__name__, str(e.__cause__))
+    prefetcher.close()
+
+    fetches = []
+    original = store.fetch
+    store.fetch = lambda *a: fetches.append(a) or original(*a)
+    bad = iter([{"tokens": torch.tensor([[1, 16]]), "labels": torch.tensor([[1, 2]])}])
+    prefetcher = RowPrefetcher(bad, store, num_micro_batches=1, vocab_size=16)
+    try:
+        next(prefetcher)
+    except RuntimeError as e:
+        out["bad_id"] = str(e.__cause__)
+    out["fetches"] = len(fetches)
+    prefetcher.close()
+    return out
+
+
+@pytest.mark.slow
+def test_prefetch_errors_surface_with_cause_and_bad_ids_never_reach_lookup():
+    out = distributed.run(_prefetch_errors, 1)[0]
+    assert out["cause"] == ("_Boom", "disk went away")
+    assert "token id 16" in out["bad_id"] and "vocab_size 16" in out["bad_id"]
+    assert out["fetches"] == 0
