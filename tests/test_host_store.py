@@ -120,8 +120,8 @@ def _lazy_untouched_rows():
     out = {}
     for layer, old in before.items():
         new = trainer.store.table(layer)
-        out[layer] = (torch.equal(new[untouched], old[untouched]), bool((new[touched] != old[touched]).all(dim=1).all()),
-                      int(untouched.sum()))
+        moved = bool((new[touched] != old[touched]).all(dim=1).all())
+        out[layer] = (torch.equal(new[untouched], old[untouched]), moved, int(untouched.sum()))
     return out
 
 
