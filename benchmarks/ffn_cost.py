@@ -21,8 +21,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import os
-import socket
 import statistics
 import time
 from fractions import Fraction
@@ -154,10 +152,7 @@ def main() -> None:
         parser.error("--steps must be >= 2 (the time ratios report quartiles)")
     start = time.perf_counter()
     torch.set_num_threads(args.threads)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    parallel.single_process_env()
     parallel.initialize(tp=1, pp=1, seed=SEED)
     try:
         ffn = ffn_flops()

@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import socket
 import time
 from pathlib import Path
 
@@ -33,16 +32,6 @@ from stem_megatron.stem.store import HostTableStore, default_init_std
 from stem_megatron.training.metrics import MetricsWriter
 from stem_megatron.training.optim import build_optimizer, build_scheduler, wrap_ddp
 from stem_megatron.training.step import train_step
-
-
-def _single_process_env() -> None:
-    """Lets ``stem-train`` run without torchrun as a world of one."""
-    if "WORLD_SIZE" in os.environ:
-        return
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
 
 
 @dataclass
@@ -96,7 +85,7 @@ def run(cfg: RunConfig) -> list[dict]:
     """Train ``cfg.train.steps`` steps; returns the step records (rank 0 also writes them)."""
     dp = validate(cfg, int(os.environ.get("WORLD_SIZE", 1)))
     windows = TokenWindows(str(Path(cfg.data.dir) / "train"), cfg.model.seq_length, cfg.model.vocab_size)
-    _single_process_env()
+    parallel.single_process_env()
     parallel.initialize(cfg.parallel.tensor_model_parallel_size, cfg.parallel.pipeline_model_parallel_size,
                         cfg.train.seed)
     try:
