@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+import torch
+
 from stem_megatron.model.layer_plan import RATIOS, VARIANTS, stem_layer_indices
 
 
@@ -37,7 +39,7 @@ class ModelConfig:
 class STEMConfig:
     """Which FFN layers are replaced, and by what (paper §2.2, §2.3, Table 3)."""
 
-    variant: str = "stem"  # dense | stem | stem_dagger | stem_gate
+    variant: str = "stem"  # dense | stem | stem_dagger | stem_gate | hash_moe
     ratio: str = "1/3"  # 0 | 1/3 | 1/2 | full
     layers: Optional[list[int]] = None  # explicit 0-based layer indices; overrides ratio
     # None: init_method_std * sqrt(hidden_size), the scale of the W_u x entries that U_l[t] replaces
@@ -46,12 +48,19 @@ class STEMConfig:
     optimizer: str = "lazy"  # host tables: lazy (touched rows) | dense (every row, the paper's AdamW)
     prefetch_depth: int = 2  # micro-batches fetched ahead (bounded queue)
     cache_rows: int = 0  # hot rows per table kept on the compute device (0: no cache)
+    # hash_moe (the Hash-Layer baseline): experts per replaced layer, their d_ff, the token->expert map
+    num_experts: int = 16
+    expert_ffn_hidden_size: Optional[int] = None  # None: model.ffn_hidden_size
+    hash_map: str = "random"  # random | frequency:<token counts .npy>
+    hash_seed: int = 1234
 
 
 @dataclass
 class ParallelConfig:
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
+    expert_model_parallel_size: int = 1  # Hash-MoE experts spread over this many ranks (no expert TP)
+    sequence_parallel: bool = False  # megatron sequence parallelism (required by its MoE layer with TP)
     use_distributed_optimizer: bool = True
 
 
@@ -130,6 +139,25 @@ def validate(cfg: RunConfig, world_size: int) -> int:
     _check(s.optimizer in ("lazy", "dense"), "stem.optimizer", f"{s.optimizer!r} is not 'lazy' or 'dense'")
     _check(s.prefetch_depth >= 1, "stem.prefetch_depth", "must be >= 1")
     _check(s.cache_rows >= 0, "stem.cache_rows", "must be >= 0")
+    ep = p.expert_model_parallel_size
+    _check(ep >= 1 and (world_size // pp) % ep == 0, "parallel.expert_model_parallel_size",
+           f"{ep} does not divide the {world_size // pp} ranks of a pipeline stage")
+    if p.sequence_parallel:
+        _check(m.seq_length % tp == 0, "parallel.sequence_parallel",
+               f"model.seq_length={m.seq_length} is not divisible by tensor_model_parallel_size={tp}")
+    if s.variant == "hash_moe" and tp > 1:
+        _check(p.sequence_parallel, "parallel.sequence_parallel",
+               "megatron's MoE layer with tensor parallelism needs sequence parallelism: set it to true")
+        _check(torch.cuda.is_available(), "parallel.tensor_model_parallel_size",
+               "Hash-MoE with TP>1 needs sequence parallelism, which megatron-core 0.16 supports only with "
+               "Transformer Engine/Apex norms (GPU); on CPU use expert parallelism with TP=1")
+    if s.variant == "hash_moe":
+        _check(s.num_experts >= 1 and s.num_experts % ep == 0, "stem.num_experts",
+               f"{s.num_experts} experts are not divisible by expert_model_parallel_size={ep}")
+        _check(s.hash_map == "random" or s.hash_map.startswith("frequency:"), "stem.hash_map",
+               f"{s.hash_map!r} is not 'random' or 'frequency:<token counts .npy>'")
+    else:
+        _check(ep == 1, "parallel.expert_model_parallel_size", "expert parallelism needs stem.variant=hash_moe")
     try:
         stem_layer_indices(m.num_layers, s.ratio, s.layers)
     except ValueError as e:

@@ -9,7 +9,12 @@ attention. On a machine without a GPU we redirect exactly those calls to the CPU
   ``Tensor.type()`` report the CUDA type name (``torch.cuda.FloatTensor``) that megatron's optimizers
   and grad clipping check parameters against;
 * ``torch.cuda.current_device/synchronize/get_rng_state/set_rng_state/manual_seed`` and megatron's
-  ``_get_cuda_rng_state/_set_cuda_rng_state`` act on the CPU generator instead.
+  ``_get_cuda_rng_state/_set_cuda_rng_state`` act on the CPU generator instead;
+* ``torch.cuda.Stream/Event/current_stream/stream`` (used by megatron's MoE all-to-all dispatcher to
+  overlap device-to-host copies) become no-op stand-ins: CPU work is synchronous, and all stand-in
+  streams compare equal, so megatron sees no side stream to synchronise with; the dispatcher's
+  ``maybe_move_tensor_to_cpu`` (which only converts CUDA tensors) returns the split sizes as numpy
+  arrays on the CPU too, as ``all_to_all_single`` needs them.
 
 Checked against megatron-core 0.16.1 with torch 2.13.0+cpu. It is enabled by
 ``stem_megatron.parallel.initialize`` only when ``torch.cuda.is_available()`` is false (or when forced),
@@ -18,6 +23,7 @@ so GPU runs never see it. No megatron code is copied or its classes changed.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import torch
@@ -64,12 +70,46 @@ def _noop(*_args, **_kwargs) -> None:
     return None
 
 
+def _host_tensor(tensor, as_numpy: bool = False, record_stream: bool = False):
+    return tensor.numpy() if as_numpy and torch.is_tensor(tensor) else tensor
+
+
+class _CpuEvent:
+    def __init__(self, *_args, **_kwargs):
+        pass
+
+    record = wait = synchronize = _noop
+
+    def query(self) -> bool:
+        return True
+
+
+class _CpuStream:
+    def __init__(self, *_args, **_kwargs):
+        pass
+
+    wait_stream = wait_event = synchronize = _noop
+
+    def record_event(self, event=None) -> _CpuEvent:
+        return event or _CpuEvent()
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, _CpuStream)
+
+    def __hash__(self) -> int:
+        return 0
+
+
+_STREAM = _CpuStream()
+
+
 def enable() -> None:
     """Activate the CPU redirection in this thread (idempotent)."""
     if getattr(_state, "mode", None) is not None:
         return
     import megatron.core
     from megatron.core.tensor_parallel import random as mcore_random
+    from megatron.core.transformer.moe import token_dispatcher
 
     if megatron.core.__version__ != CHECKED_MEGATRON_CORE:
         import warnings
@@ -78,13 +118,19 @@ def enable() -> None:
             f"stem_megatron.cpu_compat was checked against megatron-core {CHECKED_MEGATRON_CORE}, "
             f"found {megatron.core.__version__}; run tests/test_cpu_compat.py before trusting results."
         )
-    torch.cuda.current_device = lambda: 0  # mapped to "cpu" by the mode wherever used as a device
+    # "cpu", not an index: autograd runs custom backward functions (megatron's all-to-all) outside
+    # the function mode, where an int device would mean CUDA
+    torch.cuda.current_device = lambda: "cpu"
     torch.cuda.synchronize = _noop
+    torch.cuda.Stream, torch.cuda.Event = _CpuStream, _CpuEvent
+    torch.cuda.current_stream = lambda *_args, **_kwargs: _STREAM
+    torch.cuda.stream = lambda *_args, **_kwargs: contextlib.nullcontext()
     torch.cuda.manual_seed = torch.manual_seed
     torch.cuda.get_rng_state = _cpu_rng_state
     torch.cuda.set_rng_state = _set_cpu_rng_state
     mcore_random._get_cuda_rng_state = _cpu_rng_state
     mcore_random._set_cuda_rng_state = _set_cpu_rng_state
+    token_dispatcher.maybe_move_tensor_to_cpu = _host_tensor
     _state.mode = _CudaToCpu()
     _state.mode.__enter__()
 

@@ -55,6 +55,7 @@ def initialize(tp: int, pp: int, seed: int, ep: int = 1) -> None:
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
         expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=1,
     )
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed)

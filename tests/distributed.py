@@ -21,13 +21,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank, world, port, tp, pp, seed, fn, args, out_dir):
+def _worker(rank, world, port, tp, pp, ep, seed, fn, args, out_dir):
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     from stem_megatron import parallel
 
-    parallel.initialize(tp, pp, seed)
+    parallel.initialize(tp, pp, seed, ep=ep)
     try:
         result = fn(*args)
     finally:
@@ -35,8 +35,8 @@ def _worker(rank, world, port, tp, pp, seed, fn, args, out_dir):
     torch.save(result, os.path.join(out_dir, f"{rank}.pt"))
 
 
-def run(fn, world: int, *args, tp: int = 1, pp: int = 1, seed: int = 1234) -> list:
-    """Run ``fn(*args)`` on ``world`` ranks with TP=tp, PP=pp (DP = world / (tp*pp))."""
+def run(fn, world: int, *args, tp: int = 1, pp: int = 1, ep: int = 1, seed: int = 1234) -> list:
+    """Run ``fn(*args)`` on ``world`` ranks with TP=tp, PP=pp, EP=ep (DP = world / (tp*pp))."""
     with tempfile.TemporaryDirectory() as out_dir:
-        mp.spawn(_worker, args=(world, _free_port(), tp, pp, seed, fn, args, out_dir), nprocs=world, join=True)
+        mp.spawn(_worker, args=(world, _free_port(), tp, pp, ep, seed, fn, args, out_dir), nprocs=world, join=True)
         return [torch.load(os.path.join(out_dir, f"{r}.pt"), weights_only=False) for r in range(world)]

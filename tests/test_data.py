@@ -1,9 +1,11 @@
 """Tests for the demo data pipeline (corpus preparation, token windows, DP micro-batching)."""
 
 import json
+
 import numpy as np
 import pytest
 import torch
+from conftest import VOCAB
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 from tokenizers import Tokenizer
 
@@ -15,8 +17,6 @@ from stem_megatron.data.corpus import (
     prepare_corpus,
     train_tokenizer,
 )
-
-from conftest import VOCAB
 
 
 def test_collect_text_missing_dir_names_apt_command(tmp_path):

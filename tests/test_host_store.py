@@ -3,10 +3,10 @@ rows alone, one copy of the tables per node, prefetch errors surface with their 
 
 import os
 
+import distributed
 import pytest
 import torch
 
-import distributed
 from stem_megatron.config import ModelConfig, ParallelConfig, RunConfig, STEMConfig, TrainConfig
 
 MICRO, GLOBAL, STEPS = 2, 4, 20
@@ -34,6 +34,7 @@ def _data(dp_rank, dp, steps=STEPS):
 def _device_tables(model):
     """V x d_ff tables of the on-device STEM layers of this stage (TP column blocks gathered)."""
     from megatron.core import parallel_state
+
     from stem_megatron.model.stem_mlp import STEMMLP
 
     tables = {}
@@ -49,6 +50,7 @@ def _device_tables(model):
 def _host_vs_device(tp, pp):
     """20 steps with the host store (dense CPU Adam = AdamW on every row) vs the device table."""
     from megatron.core import parallel_state
+
     from stem_megatron.stem.prefetch import RowPrefetcher
     from stem_megatron.training.loop import setup_model
     from stem_megatron.training.step import train_step
@@ -100,6 +102,7 @@ def _lazy_untouched_rows():
     """A lazy step at DP=2 (the second: the first has lr 0 in warmup): rows no replica touched in it are
     bit-identical afterwards, touched rows moved."""
     from megatron.core import parallel_state
+
     from stem_megatron.stem.prefetch import RowPrefetcher
     from stem_megatron.training.loop import setup_model
     from stem_megatron.training.step import train_step
@@ -156,6 +159,7 @@ def _shm_used() -> int:
 def _memory_per_node():
     """Both ranks (one node, DP=2) attach the same tables and read every page."""
     import torch.distributed as dist
+
     from stem_megatron.stem.store import HostTableStore
 
     dist.barrier()

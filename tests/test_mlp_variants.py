@@ -1,10 +1,10 @@
 """Each MLP variant equals the paper's formula in plain torch (outputs, input and weight gradients), TP=1 and TP=2."""
 
+import distributed
 import pytest
 import torch
 import torch.nn.functional as F
 
-import distributed
 from stem_megatron.config import ModelConfig, ParallelConfig
 from stem_megatron.model.gpt import transformer_config
 from stem_megatron.model.sharding import tp_slice

@@ -7,10 +7,10 @@ because no single vocabulary size reproduces them (see docs/param_counts.md).
 
 from pathlib import Path
 
+import distributed
 import pytest
 from omegaconf import OmegaConf
 
-import distributed
 from stem_megatron.config import ModelConfig, STEMConfig
 from stem_megatron.model.layer_plan import stem_layer_indices
 

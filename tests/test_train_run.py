@@ -5,11 +5,11 @@ import json
 import subprocess
 import sys
 
+import distributed
 import pytest
 import torch
-
-import distributed
 from conftest import VOCAB
+
 from stem_megatron.config import ModelConfig, RunConfig, STEMConfig, TrainConfig
 from stem_megatron.model.token_context import token_ids
 

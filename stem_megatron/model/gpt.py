@@ -10,19 +10,42 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from stem_megatron.config import ModelConfig, ParallelConfig, STEMConfig
+from stem_megatron.model.hash_moe import expert_map, hash_moe_spec
 from stem_megatron.model.layer_plan import stem_layer_indices
-from stem_megatron.model.specs import decoder_block_spec, device_rows
+from stem_megatron.model.specs import decoder_block_spec, device_rows, stem_mlp_spec
 
 
 def transformer_config(
-    model: ModelConfig, parallel: ParallelConfig, on_gpu: bool, use_cpu_initialization: bool | None = None
+    model: ModelConfig,
+    parallel: ParallelConfig,
+    on_gpu: bool,
+    use_cpu_initialization: bool | None = None,
+    stem: STEMConfig | None = None,
 ) -> TransformerConfig:
     """Llama-style block (RMSNorm, SwiGLU, RoPE, no biases); bf16 on GPU, fp32 on CPU.
 
     Fusions that need CUDA kernels are off on CPU. ``use_cpu_initialization`` makes the initial
-    weights independent of the TP layout (the full matrix is drawn, then sliced).
+    weights independent of the TP layout (the full matrix is drawn, then sliced). For the Hash-MoE
+    variant the MoE fields are set: top-1, no aux loss, all-to-all dispatcher, MoE only on the
+    planned layers (``moe_layer_freq`` pattern), experts not tensor-parallel.
     """
     dtype = torch.bfloat16 if on_gpu else torch.float32
+    moe = {}
+    if stem is not None and stem.variant == "hash_moe":
+        planned = set(planned_stem_layers(model, stem))
+        moe = dict(
+            num_moe_experts=stem.num_experts,
+            moe_ffn_hidden_size=stem.expert_ffn_hidden_size or model.ffn_hidden_size,
+            moe_layer_freq=[int(i in planned) for i in range(model.num_layers)],
+            moe_router_topk=1,
+            moe_router_pre_softmax=True,  # required by megatron for top-1; unused by the hash router
+            moe_router_load_balancing_type="none",
+            moe_aux_loss_coeff=0.0,
+            moe_token_dispatcher_type="alltoall",
+            moe_grouped_gemm=False,
+            expert_model_parallel_size=parallel.expert_model_parallel_size,
+            expert_tensor_parallel_size=1,
+        )
     return TransformerConfig(
         num_layers=model.num_layers,
         hidden_size=model.hidden_size,
@@ -39,6 +62,7 @@ def transformer_config(
         attention_dropout=0.0,
         init_method_std=model.init_method_std,
         tensor_model_parallel_size=parallel.tensor_model_parallel_size,
+        sequence_parallel=parallel.sequence_parallel and parallel.tensor_model_parallel_size > 1,
         pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
         pipeline_dtype=dtype,
         params_dtype=dtype,
@@ -50,11 +74,12 @@ def transformer_config(
         apply_rope_fusion=False,
         persist_layer_norm=False,
         gradient_accumulation_fusion=False,
+        **moe,
     )
 
 
 def planned_stem_layers(model: ModelConfig, stem: STEMConfig) -> list[int]:
-    """Global 0-based indices of the STEM layers of the whole model."""
+    """Global 0-based indices of the replaced (STEM or Hash-MoE) layers of the whole model."""
     return [] if stem.variant == "dense" else stem_layer_indices(model.num_layers, stem.ratio, stem.layers)
 
 
@@ -72,10 +97,12 @@ def build_gpt(
 
     ``row_source`` is the spec of the module serving ``U_l`` rows (default: a device parameter).
     """
-    spec = decoder_block_spec(
-        config, planned_stem_layers(model, stem), stem.variant, model.vocab_size,
-        row_source or device_rows(stem.table_init_std), use_te, pp_rank,
-    )
+    if stem.variant == "hash_moe":
+        expert_of_token = expert_map(model.vocab_size, stem.num_experts, stem.hash_map, stem.hash_seed)
+        mlp = hash_moe_spec(expert_of_token, stem.num_experts, use_te, grouped_gemm=False)
+    else:
+        mlp = stem_mlp_spec(stem.variant, model.vocab_size, row_source or device_rows(stem.table_init_std), use_te)
+    spec = decoder_block_spec(config, planned_stem_layers(model, stem), mlp, use_te, pp_rank)
     if pre_process is None:
         pre_process = parallel_state.is_pipeline_first_stage()
     if post_process is None:

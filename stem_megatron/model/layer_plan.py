@@ -5,7 +5,7 @@ from __future__ import annotations
 from fractions import Fraction
 from typing import Optional, Sequence
 
-VARIANTS = {"dense", "stem", "stem_dagger", "stem_gate"}
+VARIANTS = {"dense", "stem", "stem_dagger", "stem_gate", "hash_moe"}
 RATIOS = {"0": Fraction(0), "1/3": Fraction(1, 3), "1/2": Fraction(1, 2), "full": None}
 
 

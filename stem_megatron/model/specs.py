@@ -1,9 +1,9 @@
 """Per-layer ModuleSpecs: megatron-core's GPT layer spec with the MLP swapped on the planned layers.
 
 We start from megatron's own decoder block spec (which already slices layers for this pipeline
-stage) and replace ``submodules.mlp`` of the layers in the STEM plan. Layers not in the plan keep
-megatron's SwiGLU ``MLP`` (paper eq. 1). On GPU the linears are Transformer Engine's; on CPU the
-local megatron-core ones.
+stage) and replace ``submodules.mlp`` of the planned layers by a STEM MLP (or the Hash-MoE layer).
+Layers not in the plan keep megatron's SwiGLU ``MLP`` (paper eq. 1). On GPU the linears are
+Transformer Engine's; on CPU the local megatron-core ones.
 """
 
 from __future__ import annotations
@@ -53,18 +53,15 @@ def stem_mlp_spec(
 
 def decoder_block_spec(
     config: TransformerConfig,
-    stem_layers: Sequence[int],
-    variant: str,
-    vocab_size: int,
-    row_source: ModuleSpec,
+    replaced_layers: Sequence[int],
+    mlp: ModuleSpec,
     use_te: bool = False,
     pp_rank: Optional[int] = None,
 ) -> TransformerBlockSubmodules:
-    """This pipeline stage's layer specs, STEM MLPs at the global indices in ``stem_layers``."""
+    """This pipeline stage's layer specs, with ``mlp`` at the global indices in ``replaced_layers``."""
     block = get_gpt_decoder_block_spec(config, use_transformer_engine=use_te, normalization="RMSNorm", pp_rank=pp_rank)
     offset = get_transformer_layer_offset(config, pp_rank=pp_rank)
-    mlp = stem_mlp_spec(variant, vocab_size, row_source, use_te)
-    wanted = set(stem_layers)
+    wanted = set(replaced_layers)
     layer_specs = [
         dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, mlp=mlp))
         if offset + i in wanted

@@ -190,7 +190,8 @@ class HostTableStore:
             ids, grads = self._grads.pop(layer, (torch.empty(0, dtype=torch.int64), torch.empty(0, self.cols)))
             updated[layer] = ids
             if self.mode == "lazy":
-                self._lazy_update(layer, ids[peer::peers], grads[peer::peers], step, lr)
+                self.adam.update_rows(step, lr, ids.tensor_split(peers)[peer], grads.tensor_split(peers)[peer],
+                                      self.weight[layer], self.exp_avg[layer], self.exp_avg_sq[layer])
             else:
                 lo, hi = peer * self.vocab_size // peers, (peer + 1) * self.vocab_size // peers
                 self._dense_update(layer, ids, grads, lo, hi, step, lr)
@@ -200,12 +201,6 @@ class HostTableStore:
         with self._version:
             self.steps_done = step
             self._version.notify_all()
-
-    def _lazy_update(self, layer, ids, grads, step, lr) -> None:
-        p, m, v = (t[layer].index_select(0, ids) for t in (self.weight, self.exp_avg, self.exp_avg_sq))
-        self.adam.update(step, lr, p, grads.contiguous(), m, v)
-        for table, rows in ((self.weight, p), (self.exp_avg, m), (self.exp_avg_sq, v)):
-            table[layer].index_copy_(0, ids, rows)
 
     def _dense_update(self, layer, ids, grads, lo, hi, step, lr) -> None:
         dense = torch.zeros(hi - lo, self.cols)

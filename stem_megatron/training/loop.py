@@ -6,9 +6,8 @@ import dataclasses
 import json
 import os
 import time
-from pathlib import Path
-
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Optional
 
 import torch
@@ -26,6 +25,8 @@ from stem_megatron import parallel
 from stem_megatron.config import RunConfig, validate
 from stem_megatron.data.batches import TokenWindows, micro_batches
 from stem_megatron.model.gpt import build_gpt, planned_stem_layers, transformer_config
+from stem_megatron.model.hash_moe import take_moe_stats
+from stem_megatron.model.stem_mlp import STEM_VARIANTS
 from stem_megatron.stem.prefetch import RowPrefetcher
 from stem_megatron.stem.row_source import HostRowSource
 from stem_megatron.stem.store import HostTableStore, default_init_std
@@ -62,9 +63,9 @@ def setup_model(cfg: RunConfig) -> Trainer:
     """Model stage for this rank wrapped in megatron DDP, its optimizer and LR schedule, and (with
     ``stem.placement=host``) the host table store its STEM layers read from."""
     gpu = parallel.on_gpu()
-    tconfig = transformer_config(cfg.model, cfg.parallel, on_gpu=gpu)
+    tconfig = transformer_config(cfg.model, cfg.parallel, on_gpu=gpu, stem=cfg.stem)
     store, row_source = None, None
-    if cfg.stem.placement == "host":
+    if cfg.stem.placement == "host" and cfg.stem.variant in STEM_VARIANTS:
         device = torch.device("cuda", torch.cuda.current_device()) if gpu else torch.device("cpu")
         store = build_store(cfg, tconfig, device)
         row_source = ModuleSpec(module=HostRowSource, params={"store": store})
@@ -87,7 +88,7 @@ def run(cfg: RunConfig) -> list[dict]:
     windows = TokenWindows(str(Path(cfg.data.dir) / "train"), cfg.model.seq_length, cfg.model.vocab_size)
     parallel.single_process_env()
     parallel.initialize(cfg.parallel.tensor_model_parallel_size, cfg.parallel.pipeline_model_parallel_size,
-                        cfg.train.seed)
+                        cfg.train.seed, ep=cfg.parallel.expert_model_parallel_size)
     try:
         return _train(cfg, dp, windows)
     finally:
@@ -117,6 +118,7 @@ def _train(cfg: RunConfig, dp: int, windows: TokenWindows) -> list[dict]:
                   "tokens_per_s": tokens_per_step / elapsed}
         if trainer.store is not None:
             record.update(trainer.store.take_stats(), stem_prefetch_wait_s=data.take_wait_s())
+        record.update(take_moe_stats(trainer.model))
         records.append(record)
         if step % t.log_interval == 0 or step == t.steps:
             writer.log(record)

@@ -87,7 +87,8 @@ def _step_with_host_tables(optimizer, store, lr: float) -> tuple[bool, float]:
     grad_norm = math.sqrt(dense_norm**2 + float(store.reduce_gradients()))
     clip = optimizer.config.clip_grad
     if clip > 0.0:
-        clip_grad_by_total_norm_fp32(optimizer.get_parameters(), clip, grad_norm)
+        for part in getattr(optimizer, "chained_optimizers", [optimizer]):
+            clip_grad_by_total_norm_fp32(part.get_parameters(), clip, grad_norm)
         coef = clip / (grad_norm + 1.0e-6)  # megatron's clip coefficient
         if coef < 1.0:
             store.scale_gradients(coef)
