@@ -61,7 +61,7 @@ def _compose(*overrides):
 
 
 def test_recipes_compose_into_the_typed_schema():
-    for variant in ("dense", "stem_1_3", "stem_1_2", "stem_full", "stem_dagger", "stem_gate"):
+    for variant in ("dense", "stem_1_3", "stem_1_2", "stem_full", "stem_dagger", "stem_gate", "hash_moe"):
         for model in ("tiny", "mobilellm_350m", "llama3.2_1b"):
             cfg = to_run_config(_compose(f"variant={variant}", f"model={model}", "parallel=single"))
             assert isinstance(cfg, RunConfig) and cfg.model.name == model

@@ -29,7 +29,10 @@ CASES = [
     ("mobilellm_350m", "stem_gate", "1/3"),
     ("llama3.2_1b", "dense", "0"),
     ("llama3.2_1b", "stem", "1/3"),
+    ("mobilellm_350m", "hash_moe", "1/3"),
 ]
+# Hash-MoE's expert width that matches the paper's 1.22B total (16 experts in 10 of 32 layers)
+MATCHED_EXPERT_FFN = 1992
 
 
 def _model(preset: str) -> ModelConfig:
@@ -43,6 +46,9 @@ def _count_all() -> dict:
     for preset, variant, ratio in CASES:
         c = count_parameters(_model(preset), STEMConfig(variant=variant, ratio=ratio))
         out[preset, variant, ratio] = (c.total, c.tables, c.active)
+    c = count_parameters(_model("mobilellm_350m"),
+                         STEMConfig(variant="hash_moe", ratio="1/3", expert_ffn_hidden_size=MATCHED_EXPERT_FFN))
+    out["mobilellm_350m", "hash_moe_matched", "1/3"] = (c.total, c.tables, c.active)
     return out
 
 
@@ -65,6 +71,7 @@ def test_llama_1b(counts):
 
 @pytest.mark.parametrize("variant, ratio, paper_active", [
     ("dense", "0", 0.37), ("stem", "1/3", 0.35), ("stem", "1/2", 0.34), ("stem", "full", 0.30),
+    ("hash_moe", "1/3", 0.37), ("hash_moe_matched", "1/3", 0.37),
 ])
 def test_mobilellm_350m_active(counts, variant, ratio, paper_active):
     _, _, active = counts["mobilellm_350m", variant, ratio]
@@ -81,6 +88,20 @@ def test_analytic_cross_check(counts, preset, ratio):
     assert dense_tables == 0
     assert tables == n * m.vocab_size * m.ffn_hidden_size
     assert dense_total - active == n * m.hidden_size * m.ffn_hidden_size
+
+
+def test_hash_moe_350m_totals(counts):
+    """16 full-width experts in 10 layers: 1.48B, above the paper's 1.22B; the expert width is a
+    setting, and 1992 (instead of d_ff=2560) gives the paper's total (active stays within 3%)."""
+    m = _model("mobilellm_350m")
+    dense_total = counts["mobilellm_350m", "dense", "0"][0]
+    total, _, active = counts["mobilellm_350m", "hash_moe", "1/3"]
+    assert total - dense_total == 10 * (16 - 1) * 3 * m.hidden_size * m.ffn_hidden_size
+    assert active == dense_total  # a token runs one full-width expert where dense runs one FFN
+    assert _close(counts["mobilellm_350m", "hash_moe_matched", "1/3"][0], 1.22, 0.01)
+    print(f"\n350M Hash-MoE total: {total / B:.3f}B with 16 x d_ff=2560 experts, "
+          f"{counts['mobilellm_350m', 'hash_moe_matched', '1/3'][0] / B:.3f}B with 16 x {MATCHED_EXPERT_FFN}; "
+          "paper 1.22B")
 
 
 def test_print_350m_totals(counts):
