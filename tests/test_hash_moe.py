@@ -1,11 +1,11 @@
 """Hash-MoE baseline: token -> expert maps, end-to-end routing through megatron's dispatcher at EP=2,
 parameter counts against Table 3, and a clear error where megatron cannot run it on CPU."""
 
+import distributed
 import numpy as np
 import pytest
 import torch
 
-import distributed
 from stem_megatron.config import ConfigError, ModelConfig, ParallelConfig, RunConfig, STEMConfig, validate
 from stem_megatron.model.hash_moe import frequency_balanced_map, random_balanced_map
 

@@ -227,3 +227,39 @@ def test_prefetch_errors_surface_with_cause_and_bad_ids_never_reach_lookup():
     assert out["cause"] == ("_Boom", "disk went away")
     assert "token id 16" in out["bad_id"] and "vocab_size 16" in out["bad_id"]
     assert out["fetches"] == 0
+
+
+def _cache_is_transparent():
+    """The same lazy training with and without a hot-row cache: identical losses and tables."""
+    from megatron.core import parallel_state
+
+    from stem_megatron.stem.prefetch import RowPrefetcher
+    from stem_megatron.training.loop import setup_model
+    from stem_megatron.training.step import train_step
+
+    dp, dp_rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
+    n_micro, out = GLOBAL // (MICRO * dp), {}
+    for cache_rows in (0, 32):
+        cfg = _cfg(1, 1, "host", optimizer="lazy", steps=6)
+        cfg.stem.cache_rows = cache_rows
+        torch.manual_seed(0)  # the same initial dense weights for both models
+        trainer = setup_model(cfg)
+        trainer.store.cache.refresh_every = 2  # re-choose the hot rows during the run too
+        data = RowPrefetcher(_data(dp_rank, dp, steps=6), trainer.store, n_micro, MODEL.vocab_size)
+        losses, hit_rates = [], []
+        for _ in range(6):
+            losses.append(train_step(trainer, data, n_micro, MICRO, MODEL.seq_length, MODEL.vocab_size)["loss"])
+            hit_rates.append(trainer.store.take_stats()["stem_cache_hit_rate"])
+        data.close()
+        out[cache_rows] = (losses, {layer: trainer.store.table(layer) for layer in trainer.store.layers}, hit_rates)
+    return out
+
+
+@pytest.mark.slow
+def test_hot_row_cache_changes_nothing_but_the_hit_rate():
+    for out in distributed.run(_cache_is_transparent, 2):
+        (plain, plain_tables, no_hits), (cached, cached_tables, hits) = out[0], out[32]
+        assert cached == plain
+        assert all(torch.equal(plain_tables[layer], cached_tables[layer]) for layer in plain_tables)
+        assert no_hits == [None] * 6
+        assert hits[0] is None and all(0.0 < h <= 1.0 for h in hits[1:])  # cache filled after step 1

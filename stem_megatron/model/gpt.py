@@ -13,6 +13,7 @@ from stem_megatron.config import ModelConfig, ParallelConfig, STEMConfig
 from stem_megatron.model.hash_moe import expert_map, hash_moe_spec
 from stem_megatron.model.layer_plan import stem_layer_indices
 from stem_megatron.model.specs import decoder_block_spec, device_rows, stem_mlp_spec
+from stem_megatron.parallel import have_transformer_engine
 
 
 def transformer_config(
@@ -42,7 +43,7 @@ def transformer_config(
             moe_router_load_balancing_type="none",
             moe_aux_loss_coeff=0.0,
             moe_token_dispatcher_type="alltoall",
-            moe_grouped_gemm=False,
+            moe_grouped_gemm=on_gpu and have_transformer_engine(),  # TE grouped GEMM; else SequentialMLP
             expert_model_parallel_size=parallel.expert_model_parallel_size,
             expert_tensor_parallel_size=1,
         )
@@ -99,7 +100,7 @@ def build_gpt(
     """
     if stem.variant == "hash_moe":
         expert_of_token = expert_map(model.vocab_size, stem.num_experts, stem.hash_map, stem.hash_seed)
-        mlp = hash_moe_spec(expert_of_token, stem.num_experts, use_te, grouped_gemm=False)
+        mlp = hash_moe_spec(expert_of_token, stem.num_experts, use_te, grouped_gemm=config.moe_grouped_gemm)
     else:
         mlp = stem_mlp_spec(stem.variant, model.vocab_size, row_source or device_rows(stem.table_init_std), use_te)
     spec = decoder_block_spec(config, planned_stem_layers(model, stem), mlp, use_te, pp_rank)

@@ -106,8 +106,9 @@ class HashRouter(MegatronModule):
 
 def take_moe_stats(model: torch.nn.Module) -> dict:
     """This rank's Hash-MoE counters since the last call: tokens per expert (its micro-batches, all
-    MoE layers), max/mean expert load, and bytes its all-to-all dispatch + combine sent to other
-    expert-parallel ranks. Empty for models without Hash-MoE layers."""
+    MoE layers), max/mean expert load, and bytes its all-to-alls sent to other expert-parallel ranks
+    in training (dispatch + combine forward, and the same two again in backward). Empty for models
+    without Hash-MoE layers."""
     routers = [m for m in model.modules() if isinstance(m, HashRouter)]
     if not routers:
         return {}
@@ -119,7 +120,7 @@ def take_moe_stats(model: torch.nn.Module) -> dict:
     element = routers[0].config.params_dtype.itemsize
     return {"moe_tokens_per_expert": load.tolist(),
             "moe_load_max_over_mean": float(load.max() / load.float().mean()) if load.sum() else None,
-            "moe_all_to_all_bytes": 2 * sent * routers[0].config.hidden_size * element}
+            "moe_all_to_all_bytes": 4 * sent * routers[0].config.hidden_size * element}
 
 
 def hash_moe_spec(expert_of_token: torch.Tensor, num_experts: int, use_te: bool, grouped_gemm: bool) -> ModuleSpec:

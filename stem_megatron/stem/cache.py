@@ -21,7 +21,6 @@ class HotRowCache:
         self.counts = torch.zeros(vocab_size, dtype=torch.int64)
         self.ids = torch.empty(0, dtype=torch.int64)
         self.rows: dict[int, torch.Tensor] = {}
-        self.hits = self.lookups = 0
 
     def observe(self, uniq: torch.Tensor, counts: torch.Tensor) -> None:
         self.counts.index_add_(0, uniq, counts)
@@ -32,8 +31,6 @@ class HotRowCache:
             return torch.zeros_like(uniq, dtype=torch.bool), torch.empty(0, dtype=torch.int64)
         pos = torch.searchsorted(self.ids, uniq).clamp_(max=self.ids.numel() - 1)
         hit = self.ids[pos] == uniq
-        self.hits += int(hit.sum())
-        self.lookups += uniq.numel()
         return hit, pos[hit]
 
     def refresh(self, step: int, tables: dict[int, torch.Tensor], updated: dict[int, torch.Tensor] | None) -> None:
@@ -51,8 +48,3 @@ class HotRowCache:
             changed = torch.isin(self.ids, updated[layer])
             if changed.any():
                 self.rows[layer][changed.to(self.device)] = table.index_select(0, self.ids[changed]).to(self.device)
-
-    def take_hit_rate(self) -> float | None:
-        rate = self.hits / self.lookups if self.lookups else None
-        self.hits = self.lookups = 0
-        return rate

@@ -33,5 +33,6 @@ def union_all_reduce(ids: torch.Tensor, grads: torch.Tensor, group) -> tuple[tor
     dense[torch.searchsorted(union, ids)] = grads
     dist.all_reduce(dense, group=group)
     dense /= size
-    sent = longest * 8 * (size - 1) + dense.numel() * dense.element_size()
+    # ring all-gather of the id lists + ring all-reduce (2 (n-1)/n of the tensor) of the rows
+    sent = longest * 8 * (size - 1) + int(2 * (size - 1) / size * dense.numel() * dense.element_size())
     return union, dense, sent

@@ -37,4 +37,6 @@ class HostRowSource(MegatronModule):
         if torch.is_grad_enabled():
             rows = rows.detach().requires_grad_()
             self.store.register(self.layer_number, prefetched.uniq, rows)
-        return rows[prefetched.inverse.t()]
+        # fp32 master rows; the layer computes in the model's dtype (bf16 on GPU), the gradient
+        # arrives back in fp32 on the compact leaf
+        return rows.to(self.config.params_dtype)[prefetched.inverse.t()]

@@ -143,7 +143,8 @@ class HostTableStore:
                 rows[layer] = fetched
             ready = self.h2d.record()
         stats = {"unique_tokens": uniq.numel(), "rows_fetched": miss.numel() * len(self.layers),
-                 "bytes_to_device": miss.numel() * self.cols * 4 * len(self.layers)}
+                 "bytes_to_device": miss.numel() * self.cols * 4 * len(self.layers),
+                 "cache_hits": int(hit.sum()), "cache_lookups": uniq.numel() if self.cache.ids.numel() else 0}
         return Fetched(rows, ready, stats)
 
     # ---- training side ----
@@ -213,13 +214,14 @@ class HostTableStore:
     @staticmethod
     def _new_stats() -> dict:
         return dict(unique_tokens=0, rows_fetched=0, bytes_to_device=0, bytes_from_device=0, sync_bytes=0,
-                    cpu_adam_s=0.0)
+                    cpu_adam_s=0.0, cache_hits=0, cache_lookups=0)
 
     def take_stats(self) -> dict:
         """This step's counters (prefixed ``stem_``), reset for the next step."""
         stats, self._stats = self._stats, self._new_stats()
+        hits, lookups = stats.pop("cache_hits"), stats.pop("cache_lookups")
         out = {f"stem_{k}": v for k, v in stats.items()}
-        out["stem_cache_hit_rate"] = self.cache.take_hit_rate()
+        out["stem_cache_hit_rate"] = hits / lookups if lookups else None
         out["stem_host_table_bytes"] = self.host_bytes
         return out
 
