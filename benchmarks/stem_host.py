@@ -193,8 +193,8 @@ def main() -> None:
     print(f"3. training step, host store + prefetch vs device table: {step['host_vs_device']:.2f}x "
           f"({step['seconds']['host'] * 1e3:.0f} vs {step['seconds']['device'] * 1e3:.0f} ms; goal <= 1.10x)")
     print(f"4. bytes/rank/layer/step, {comm['tokens_per_step']:,} tokens ({comm['unique_tokens']:,} unique), "
-          f"DP={comm['dp']}, d={comm['d']}, d_ff={comm['d_ff']}: STEM sync {comm['stem_bytes'] / 1e6:.0f} MB vs MoE all-to-all "
-          f"{comm['moe_all_to_all_bytes'] / 1e6:.0f} MB ({comm['moe_over_stem']:.1f}x)")
+          f"DP={comm['dp']}, d={comm['d']}, d_ff={comm['d_ff']}: STEM sync {comm['stem_bytes'] / 1e6:.0f} MB "
+          f"vs MoE all-to-all {comm['moe_all_to_all_bytes'] / 1e6:.0f} MB ({comm['moe_over_stem']:.1f}x)")
 
 
 if __name__ == "__main__":
