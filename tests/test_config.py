@@ -71,3 +71,12 @@ def test_recipes_compose_into_the_typed_schema():
 def test_mistyped_override_fails_at_composition():
     with pytest.raises(ConfigCompositionException, match="model.num_layers=four"):
         _compose("model.num_layers=four")
+
+
+@pytest.mark.parametrize("experiment, model, lr", [("pretrain_350m", "mobilellm_350m", 2e-3),
+                                                   ("pretrain_1b", "llama3.2_1b", 4e-4)])
+def test_paper_experiments_compose_and_validate_for_64_gpus(experiment, model, lr):
+    cfg = to_run_config(_compose(f"+experiment={experiment}", "variant=stem_1_3"))
+    assert cfg.model.name == model and cfg.train.lr == lr and cfg.train.global_batch_size == 512
+    assert (cfg.train.adam_beta1, cfg.train.adam_beta2, cfg.train.weight_decay) == (0.9, 0.95, 0.1)
+    assert validate(cfg, 64) == 64

@@ -60,7 +60,8 @@ class RowPrefetcher:
                 tokens = batch["tokens"]
                 check_token_ids(tokens, vocab_size)  # before any row lookup
                 uniq, inverse, counts = torch.unique(tokens.cpu(), return_inverse=True, return_counts=True)
-                batch["stem"] = PrefetchedRows(uniq, inverse.to(tokens.device), self.store.fetch(uniq, counts))
+                inverse = inverse.to(self.store.device, non_blocking=True)
+                batch["stem"] = PrefetchedRows(uniq, inverse, self.store.fetch(uniq, counts))
                 self._put(batch)
             self._put(_END)
         except BaseException as error:  # surfaces in the training thread

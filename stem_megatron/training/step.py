@@ -30,6 +30,8 @@ def make_forward_step(vocab_size: int):
     def forward_step(data_iterator: Iterator[dict], model: torch.nn.Module):
         batch = next(data_iterator)
         tokens, labels = batch["tokens"], batch["labels"]
+        if torch.cuda.is_available():  # the data iterator yields host tensors
+            tokens, labels = tokens.cuda(non_blocking=True), labels.cuda(non_blocking=True)
         position_ids = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0).expand_as(tokens)
         with token_ids(tokens, vocab_size, batch.get("stem")):
             output = model(tokens, position_ids, None, labels=labels)
@@ -55,7 +57,7 @@ def forward_backward(model, data_iterator, num_micro_batches: int, micro_batch_s
 
 def global_mean_loss(losses: list[dict]) -> float:
     """Average over micro-batches and DP replicas; reaches every rank (only last stages hold losses)."""
-    local = torch.zeros(2, dtype=torch.float64)
+    local = torch.zeros(2, dtype=torch.float64, device="cuda" if torch.cuda.is_available() else "cpu")
     if parallel_state.is_pipeline_last_stage() and parallel_state.get_tensor_model_parallel_rank() == 0:
         local[0], local[1] = sum(float(x["lm loss"]) for x in losses), len(losses)
     dist.all_reduce(local)
