@@ -213,11 +213,17 @@ def test_roi_from_presets(tmp_path):
 
 def test_roi_with_exact_flops_table_in_docs(tmp_path):
     """docs/flops.md: Table 3 accuracies with exact FLOPs instead of the paper's 2N GFLOPs column."""
-    rows = [("Baseline", 49.72, "mobilellm_350m", "dense", 1.00), ("Hash-MoE", 50.58, "mobilellm_350m", "hash_moe", 1.02),
-            ("STEM", 50.90, "mobilellm_350m", "stem_1_3", 1.08), ("gate", 49.10, "mobilellm_350m", "stem_gate", 1.04),
-            ("dagger", 50.60, "mobilellm_350m", "stem_dagger", 1.02), ("1/2", 54.20, "mobilellm_350m", "stem_1_2", 1.19),
-            ("full", 53.43, "mobilellm_350m", "stem_full", 1.28), ("Baseline 1B", 55.82, "llama3.2_1b", "dense", 1.00),
-            ("STEM 1B", 56.63, "llama3.2_1b", "stem_1_3", 1.07)]
+    rows = [
+        ("Baseline", 49.72, "mobilellm_350m", "dense", 1.00),
+        ("Hash-MoE", 50.58, "mobilellm_350m", "hash_moe", 1.02),
+        ("STEM", 50.90, "mobilellm_350m", "stem_1_3", 1.08),
+        ("gate", 49.10, "mobilellm_350m", "stem_gate", 1.04),
+        ("dagger", 50.60, "mobilellm_350m", "stem_dagger", 1.02),
+        ("1/2", 54.20, "mobilellm_350m", "stem_1_2", 1.19),
+        ("full", 53.43, "mobilellm_350m", "stem_full", 1.28),
+        ("Baseline 1B", 55.82, "llama3.2_1b", "dense", 1.00),
+        ("STEM 1B", 56.63, "llama3.2_1b", "stem_1_3", 1.07),
+    ]
     path = tmp_path / "r.json"
     path.write_text(json.dumps([{"name": n, "avg": a, "tokens": 1e11, "preset": p, "variant": v}
                                 for n, a, p, v, _ in rows]))
