@@ -92,12 +92,31 @@ class DataConfig:
 
 
 @dataclass
+class LoggingConfig:
+    """Loss-spike detection, W&B tracking and MFU (docs/tracking.md)."""
+
+    wandb: bool = False  # one W&B run per job, written by rank 0
+    wandb_mode: str = "offline"  # offline (sync later) | online | disabled
+    project: str = "stem-megatron"
+    entity: Optional[str] = None
+    run_name: Optional[str] = None  # None: <model>-<variant>-<ratio>
+    group: Optional[str] = None
+    tags: list[str] = field(default_factory=list)
+    spike_window: int = 100  # non-spike losses the spike statistics cover
+    spike_k: float = 4.0  # a spike exceeds the baseline by this many standard deviations
+    spike_warmup: int = 20  # losses needed before finite spikes are flagged
+    spike_detrend: bool = True  # quadratic-fit baseline instead of the window mean (see docs/tracking.md)
+    peak_tflops: Optional[float] = None  # one device's peak for MFU; None: from the GPU name (none on CPU)
+
+
+@dataclass
 class RunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     stem: STEMConfig = field(default_factory=STEMConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
     out_dir: str = "runs/default"
 
 
@@ -171,4 +190,11 @@ def validate(cfg: RunConfig, world_size: int) -> int:
            f"{t.decay_style!r} is not 'cosine' or 'linear'")
     _check(t.steps >= 1, "train.steps", "must be >= 1")
     _check(0.0 <= t.min_lr_ratio <= 1.0, "train.min_lr_ratio", "must be in [0, 1]")
+    lg = cfg.logging
+    _check(lg.wandb_mode in ("offline", "online", "disabled"), "logging.wandb_mode",
+           f"{lg.wandb_mode!r} is not 'offline', 'online' or 'disabled'")
+    _check(lg.spike_k > 0, "logging.spike_k", "must be > 0")
+    lowest = 5 if lg.spike_detrend else 2
+    _check(lowest <= lg.spike_warmup <= lg.spike_window, "logging.spike_warmup",
+           f"{lg.spike_warmup} is not in [{lowest}, logging.spike_window={lg.spike_window}]")
     return dp

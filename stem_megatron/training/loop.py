@@ -32,7 +32,14 @@ from stem_megatron.stem.row_source import HostRowSource
 from stem_megatron.stem.store import HostTableStore, default_init_std
 from stem_megatron.training.metrics import MetricsWriter
 from stem_megatron.training.optim import build_optimizer, build_scheduler, wrap_ddp
+from stem_megatron.training.spikes import SpikeDetector
 from stem_megatron.training.step import train_step
+from stem_megatron.training.tracking import (
+    WandbTracker,
+    device_peak_tflops,
+    model_flops_per_token,
+    throughput_metrics,
+)
 
 
 @dataclass
@@ -108,20 +115,34 @@ def _train(cfg: RunConfig, dp: int, windows: TokenWindows) -> list[dict]:
         Path(cfg.out_dir).mkdir(parents=True, exist_ok=True)
         (Path(cfg.out_dir) / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
     writer = MetricsWriter(cfg.out_dir, rank0, t.steps)
+    lg = cfg.logging
+    detector = SpikeDetector(lg.spike_window, lg.spike_k, lg.spike_warmup, detrend=lg.spike_detrend)
+    flops_per_token = model_flops_per_token(cfg.model, cfg.stem)
+    peak_tflops = lg.peak_tflops or device_peak_tflops()
     records = []
     tokens_per_step = t.global_batch_size * cfg.model.seq_length
-    for step in range(1, t.steps + 1):
-        start = time.perf_counter()
-        out = train_step(trainer, data, n_micro, t.micro_batch_size, cfg.model.seq_length, cfg.model.vocab_size)
-        elapsed = time.perf_counter() - start
-        record = {"step": step, **out, "step_time_s": elapsed, "tokens": step * tokens_per_step,
-                  "tokens_per_s": tokens_per_step / elapsed}
-        if trainer.store is not None:
-            record.update(trainer.store.take_stats(), stem_prefetch_wait_s=data.take_wait_s())
-        record.update(take_moe_stats(trainer.model))
-        records.append(record)
-        if step % t.log_interval == 0 or step == t.steps:
-            writer.log(record)
+    with WandbTracker(cfg.out_dir, dataclasses.asdict(cfg), project=lg.project, mode=lg.wandb_mode,
+                      name=lg.run_name, tags=lg.tags, entity=lg.entity, group=lg.group,
+                      enabled=rank0 and lg.wandb) as tracker:
+        for step in range(1, t.steps + 1):
+            start = time.perf_counter()
+            out = train_step(trainer, data, n_micro, t.micro_batch_size, cfg.model.seq_length, cfg.model.vocab_size)
+            elapsed = time.perf_counter() - start
+            record = {"step": step, **out, "step_time_s": elapsed, "tokens": step * tokens_per_step,
+                      "tokens_per_s": tokens_per_step / elapsed}
+            if trainer.store is not None:
+                record.update(trainer.store.take_stats(), stem_prefetch_wait_s=data.take_wait_s())
+            record.update(take_moe_stats(trainer.model))
+            record.update(throughput_metrics(record["tokens_per_s"], flops_per_token, peak_tflops,
+                                             dist.get_world_size()))
+            record.update(detector.update(record["loss"]))
+            records.append(record)
+            if record["loss_spike"] and rank0 and record["loss_spike_size"] is not None:
+                print(f"loss spike at step {step}: {record['loss']:.4f} is {record['loss_spike_size']:.1f} "
+                      f"std above the recent losses ({record['loss_spike_count']} so far)", flush=True)
+            if step % t.log_interval == 0 or step == t.steps or record["loss_spike"]:
+                writer.log(record)
+                tracker.log(record)
     writer.close()
     if trainer.store is not None:
         data.close()
