@@ -1,0 +1,137 @@
+# Shared body of the slurm/*.sh job scripts: sourced by them, not submitted itself.
+#
+# Launches one torchrun per node (srun, one task per node) that joins a c10d rendezvous on the first
+# node and starts $NPROC training processes there: `python -m stem_megatron.train <overrides>`.
+#
+# From the job script: REPO (repository root), DEFAULTS (array of Hydra overrides, the recipe of
+# the script), "$@" (the user's Hydra overrides, placed after DEFAULTS: for the same key Hydra keeps the
+# last value, so they win).
+# Environment knobs (sbatch exports the submitting shell's environment):
+#   GPUS_PER_NODE    GPUs a node's processes use; default: the job's --gpus-per-node, else 8
+#   NPROC            training processes per node; default GPUS_PER_NODE (required when it is 0: CPU runs)
+#   VENV / PYTHON    default $REPO/.venv and $VENV/bin/python
+#   OUT_DIR          run directory; default runs/slurm/<job name>-<job id> (an out_dir=... override wins)
+#   EXTRA_OVERRIDES  more Hydra overrides (space-separated), placed after DEFAULTS and before "$@"
+#   MASTER_PORT      rendezvous port on the first node; default 20000 + job id % 20000
+#   REQUEUE          what SIGUSR1 (sbatch --signal=B:USR1@120, before the time limit) does: auto (default)
+#                    requeues the job when the run can resume (see RESUME below), 1 always, 0 never
+
+set -euo pipefail
+: "${SLURM_JOB_ID:?not inside a SLURM job: submit with sbatch (see docs/cluster.md)}"
+cd "$REPO"
+
+# ---- processes and software ----------------------------------------------------------------------------
+job_gpus=${SLURM_GPUS_PER_NODE:-}      # e.g. "8" or "h100:8"
+job_gpus=${job_gpus##*:}
+GPUS_PER_NODE=${GPUS_PER_NODE:-${job_gpus:-8}}
+NPROC=${NPROC:-$GPUS_PER_NODE}
+if [ "$NPROC" -lt 1 ]; then
+  echo "error: no GPUs per node (GPUS_PER_NODE=$GPUS_PER_NODE): set NPROC=<processes per node> for a CPU run" >&2
+  exit 2
+fi
+VENV=${VENV:-$REPO/.venv}
+PYTHON=${PYTHON:-$VENV/bin/python}
+if [ -f "$VENV/bin/activate" ]; then
+  set +u
+  # shellcheck disable=SC1091
+  source "$VENV/bin/activate"
+  set -u
+fi
+if [ ! -x "$(command -v "$PYTHON")" ]; then
+  echo "error: no python at $PYTHON (run tools/setup.sh, or set VENV/PYTHON)" >&2
+  exit 2
+fi
+
+# ---- environment of the training processes -------------------------------------------------------------
+CPUS=${SLURM_CPUS_PER_TASK:-$(nproc)}
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( CPUS / NPROC > 0 ? CPUS / NPROC : 1 ))}
+export TORCH_NCCL_ASYNC_ERROR_HANDLING=${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}  # a hung/failed collective ends the job
+# (NCCL_ASYNC_ERROR_HANDLING is the name before torch 2.2; torch 2.13 only warns about it)
+export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-1}          # megatron: ordered TP comm/compute
+# Fabric settings depend on the cluster; uncomment what yours needs:
+# export NCCL_DEBUG=INFO                 # or WARN
+# export NCCL_SOCKET_IFNAME=ib0          # NCCL bootstrap/socket interface (ib0, eth0, ^lo,docker, ...)
+# export NCCL_IB_HCA=mlx5                # InfiniBand adapters to use
+# export NCCL_IB_GID_INDEX=3             # RoCE
+# export NCCL_IB_DISABLE=1               # no InfiniBand: TCP sockets only
+# export NCCL_NET_GDR_LEVEL=PHB          # GPUDirect RDMA distance
+# export NCCL_IB_TIMEOUT=22
+export PYTHONUNBUFFERED=1
+# JIT-built ops (DeepSpeed's CPU Adam for the host tables) per venv, not the shared ~/.cache/torch_extensions:
+# two checkouts (venvs) sharing that cache rebuild the op on every switch, minutes each time.
+export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$VENV/torch_extensions}
+# A job killed while such an op compiles (requeue, scancel, time limit) leaves the build's lock file behind
+# and every later run waits on it forever: drop locks older than 30 minutes (a build takes a few).
+find "$TORCH_EXTENSIONS_DIR" -name lock -mmin +30 -print -delete 2>/dev/null | sed 's/^/removed stale lock /' || true
+
+# ---- Hydra overrides ----------------------------------------------------------------------------------
+read -r -a extra <<< "${EXTRA_OVERRIDES:-}"
+OVERRIDES=("${DEFAULTS[@]}" "${extra[@]}" "$@")
+user_out_dir=""
+for o in "${OVERRIDES[@]}"; do
+  case "$o" in out_dir=*|+out_dir=*|++out_dir=*) user_out_dir=${o#*out_dir=} ;; esac
+done
+if [ -n "$user_out_dir" ]; then
+  OUT_DIR=$user_out_dir
+else
+  if [ -n "${SLURM_ARRAY_JOB_ID:-}" ]; then tag=${SLURM_ARRAY_JOB_ID}_${SLURM_ARRAY_TASK_ID}; else tag=$SLURM_JOB_ID; fi
+  OUT_DIR=${OUT_DIR:-runs/slurm/${SLURM_JOB_NAME}-$tag}
+  OVERRIDES+=("out_dir=$OUT_DIR")
+fi
+
+# ==== RESUME: the one place to change when checkpoint/resume lands ======================================
+# A requeued job (time limit, node failure, preemption) runs this script again with the same job id,
+# hence the same OUT_DIR, and SLURM_RESTART_COUNT > 0. stem_megatron cannot resume yet, so the run starts
+# from step 1; the earlier attempt's metrics are kept as metrics.attempt<N>.jsonl. And with REQUEUE=auto
+# the time-limit signal does not requeue: the run would start over and hit the limit again, forever.
+# Once checkpoints exist: set CAN_RESUME=1, replace the `echo` with the resume override (e.g.
+# OVERRIDES+=(checkpoint.resume=true); RESUMING=1), and drop the metrics move if a resumed run continues
+# metrics.jsonl.
+CAN_RESUME=0
+RESUMING=0
+if [ -e "$OUT_DIR/checkpoints/latest" ]; then
+  echo "found $OUT_DIR/checkpoints/latest, but resuming is not implemented yet: training starts from step 1"
+fi
+if [ "$RESUMING" = 0 ] && [ "${SLURM_RESTART_COUNT:-0}" -gt 0 ] && [ -f "$OUT_DIR/metrics.jsonl" ]; then
+  mv "$OUT_DIR/metrics.jsonl" "$OUT_DIR/metrics.attempt$(( SLURM_RESTART_COUNT - 1 )).jsonl"
+fi
+# =========================================================================================================
+
+# ---- requeue shortly before the time limit --------------------------------------------------------------
+# shellcheck disable=SC2329  # called by the trap
+requeue() {
+  local mode=${REQUEUE:-auto}
+  if [ "$mode" = 1 ] || { [ "$mode" = auto ] && [ "$CAN_RESUME" = 1 ]; }; then
+    echo "$(date '+%F %T') SIGUSR1 (time limit near): requeueing job $SLURM_JOB_ID" \
+         "(restart $(( ${SLURM_RESTART_COUNT:-0} + 1 )))"
+    scontrol requeue "$SLURM_JOB_ID"
+  else
+    echo "$(date '+%F %T') SIGUSR1 (time limit near): not requeueing (REQUEUE=$mode, CAN_RESUME=$CAN_RESUME)"
+  fi
+}
+trap requeue USR1
+
+# ---- launch -----------------------------------------------------------------------------------------------
+MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)
+MASTER_PORT=${MASTER_PORT:-$(( 20000 + SLURM_JOB_ID % 20000 ))}
+NNODES=${SLURM_NNODES:-1}
+cmd=("$PYTHON" -m torch.distributed.run
+     --nnodes "$NNODES" --nproc_per_node "$NPROC"
+     --rdzv_id "$SLURM_JOB_ID" --rdzv_backend c10d --rdzv_endpoint "$MASTER_ADDR:$MASTER_PORT"
+     -m stem_megatron.train "${OVERRIDES[@]}")
+echo "job $SLURM_JOB_ID (${SLURM_JOB_NAME:-}) restart ${SLURM_RESTART_COUNT:-0}:" \
+     "$NNODES node(s) [$SLURM_JOB_NODELIST] x $NPROC processes, $CPUS CPUs/node," \
+     "OMP_NUM_THREADS=$OMP_NUM_THREADS, out_dir $OUT_DIR"
+echo "srun: ${cmd[*]}"
+# srun (22.05+) does not inherit --cpus-per-task from the job: pass it. In the background, so that the
+# USR1 trap runs while training does (bash runs traps only between commands, and `wait` is one).
+srun --nodes="$NNODES" --ntasks-per-node=1 --ntasks="$NNODES" --cpus-per-task="$CPUS" --kill-on-bad-exit=1 \
+     "${cmd[@]}" &
+srun_pid=$!
+while :; do
+  rc=0
+  wait "$srun_pid" || rc=$?
+  kill -0 "$srun_pid" 2>/dev/null || break  # otherwise `wait` was cut short by the trap: keep waiting
+done
+echo "$(date '+%F %T') training exited with status $rc"
+exit "$rc"
