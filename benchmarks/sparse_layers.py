@@ -162,12 +162,15 @@ class CollectiveTally:
 
 # ---- the two ranks ----
 
-def _batches(corpus: Path, dp_rank: int, dp: int, n_micro: int):
-    from stem_megatron.data.batches import TokenWindows, micro_batches
+def _batches(corpus: Path, dp_rank: int, dp: int, n_micro: int, samples: int):
+    from stem_megatron.data.batches import micro_batches
+    from stem_megatron.data.datasets import build_datasets
+    from stem_megatron.data.tokenizer import HFTokenizer
 
     if (corpus / "train.idx").exists():
-        windows = TokenWindows(str(corpus / "train"), MODEL.seq_length, MODEL.vocab_size)
-        return micro_batches(windows, MICRO_BATCH, dp_rank, dp, num_micro_batches=n_micro, seed=SEED)
+        train, _ = build_datasets(HFTokenizer(corpus / "tokenizer.json"), [(1.0, str(corpus / "train"))],
+                                  MODEL.seq_length, samples, SEED, corpus / "index_cache", MODEL.vocab_size)
+        return micro_batches(train, MICRO_BATCH, dp_rank, dp, num_micro_batches=n_micro)
 
     def uniform():
         g = torch.Generator().manual_seed(SEED + dp_rank)
@@ -217,7 +220,8 @@ def _bench(cfgs: dict, rounds: int, warmup: int, corpus: str) -> dict:
     n_micro = GLOBAL_BATCH // (MICRO_BATCH * dp)
     data = {}
     for name, trainer in trainers.items():
-        data[name] = _batches(Path(corpus), dp_rank, dp, n_micro)  # the same batches for every variant
+        samples = next(iter(cfgs.values())).train.steps * GLOBAL_BATCH
+        data[name] = _batches(Path(corpus), dp_rank, dp, n_micro, samples)  # the same batches for every variant
         if trainer.store is not None:
             data[name] = RowPrefetcher(data[name], trainer.store, n_micro, MODEL.vocab_size)
     out = {name: {"static": _static(t), "times": [], "stem_sync_bytes": [], "stem_bytes_to_device": [],

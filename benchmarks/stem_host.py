@@ -26,6 +26,7 @@ import statistics
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from stem_megatron import parallel
@@ -146,11 +147,12 @@ def step_time(steps: int = 12) -> dict:
 
 def comm_bytes(corpus: Path, d=2048, d_ff=8192, global_batch=512, seq=4096, dp=8) -> dict:
     """Per rank, per STEM/MoE layer, per step, for a global batch of the real corpus at 1B width."""
-    from stem_megatron.data.batches import TokenWindows
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
 
-    windows = TokenWindows(corpus / "train", seq, 4096)
-    n = min(global_batch, windows.num_windows)
-    tokens = torch.stack([windows.window(i)[:-1] for i in range(n)])
+    docs = IndexedDataset(str(corpus / "train"))
+    stream = torch.from_numpy(np.concatenate([docs[i] for i in range(len(docs))]).astype(np.int64))
+    n = min(global_batch, len(stream) // seq)
+    tokens = stream[: n * seq].view(n, seq)  # the first n packed sequences
     per_rank = n * seq // dp
     uniq_global = int(torch.unique(tokens).numel())
     uniq_rank = statistics.mean(int(torch.unique(c).numel()) for c in tokens.chunk(dp))

@@ -26,3 +26,5 @@ else
 fi
 
 "$VENV/bin/python" -m stem_megatron.data.corpus --out data_cache/python-doc
+# local stand-ins of the paper's mid-training mix (data=midtrain_mix, +experiment=midtrain_1b)
+[ -f data_cache/python-doc/stdlib-code.idx ] || bash tools/prepare_midtrain_mix.sh

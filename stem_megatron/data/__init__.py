@@ -1,1 +1,2 @@
-"""Real-data pipeline for the demo run: corpus preparation and token-window batching."""
+"""Data pipeline: preprocessing to megatron indexed datasets, integrity checks, megatron GPT datasets
+(packing, blending, cross-document masks) and deterministic data-parallel micro-batches."""

@@ -1,19 +1,18 @@
-"""Fixed-length token windows over an indexed dataset, and deterministic data-parallel micro-batches.
+"""Deterministic data-parallel micro-batches over a megatron dataset, and the token-id range check.
 
-Sampling contract (tests rely on it). Let ``perm`` be the infinite concatenation of per-epoch
-permutations of window indices (epoch ``e`` uses ``default_rng((seed, e))``), and
-``GB = micro_batch_size * dp_size * num_micro_batches``. Global step ``g`` consumes
-``perm[g*GB:(g+1)*GB]``; micro-batch ``k`` of DP rank ``r`` is the contiguous chunk starting at
-``(k*dp_size + r) * micro_batch_size``. Hence micro-batch ``k`` of DP=2 with size ``b`` on ranks 0 and 1,
-concatenated, equals micro-batch ``k`` of DP=1 with size ``2b``: changing the DP degree (at a fixed global
-batch) does not change which samples a step trains on, and resuming at ``start_step`` needs no state.
+Sampling contract (tests rely on it). Samples are ``dataset[i]`` for a megatron ``GPTDataset`` /
+``BlendedDataset`` (``data/datasets.py``), already shuffled by megatron's seeded index. With
+``GB = micro_batch_size * dp_size * num_micro_batches``, global step ``g`` consumes samples
+``[g*GB, (g+1)*GB)``; micro-batch ``k`` of DP rank ``r`` is the contiguous chunk starting at
+``g*GB + (k*dp_size + r) * micro_batch_size``. Hence micro-batch ``k`` of DP=2 with size ``b`` on ranks
+0 and 1, concatenated, equals micro-batch ``k`` of DP=1 with size ``2b``: changing the DP degree (at a
+fixed global batch) does not change which samples a step trains on, and resuming at ``start_step``
+needs no state.
 """
 
-import functools
 
 import numpy as np
 import torch
-from megatron.core.datasets.indexed_dataset import IndexedDataset
 
 
 def check_token_ids(tokens, vocab_size):
@@ -36,42 +35,21 @@ def check_token_ids(tokens, vocab_size):
     )
 
 
-class TokenWindows:
-    """Non-overlapping windows of ``seq_length + 1`` tokens over all documents laid end to end.
-
-    Windows step by ``seq_length`` so window ``i``'s last token is window ``i+1``'s first: every token
-    is a target exactly once. Documents are concatenated (separated by their EOD) rather than padded,
-    as in standard GPT pretraining.
-    """
-
-    def __init__(self, prefix, seq_length, vocab_size):
-        dataset = IndexedDataset(str(prefix), mmap=True)
-        # One in-memory copy in the storage dtype (uint16 for small vocabularies); fine for ~10M tokens.
-        self.tokens = np.concatenate([dataset[i] for i in range(len(dataset))])
-        check_token_ids(self.tokens, vocab_size)
-        self.seq_length = seq_length
-        self.num_windows = (len(self.tokens) - 1) // seq_length
-        if self.num_windows < 1:
-            raise ValueError(f"{prefix} has {len(self.tokens)} tokens, too few for one window of {seq_length + 1}")
-
-    def window(self, i):
-        """Tokens ``[i*seq_length, (i+1)*seq_length]`` (inclusive) as a LongTensor of ``seq_length + 1``."""
-        if not 0 <= i < self.num_windows:
-            raise IndexError(f"window {i} out of range [0, {self.num_windows})")
-        start = i * self.seq_length
-        return torch.from_numpy(self.tokens[start : start + self.seq_length + 1].astype(np.int64))
+def _collate(samples: list[dict]) -> dict:
+    batch = {key: torch.stack([s[key] for s in samples]) for key in ("tokens", "labels", "loss_mask", "position_ids")}
+    if "attention_mask" in samples[0]:  # only built with reset_attention_mask
+        batch["attention_mask"] = torch.stack([s["attention_mask"] for s in samples])
+    return batch
 
 
-@functools.lru_cache(maxsize=4)
-def _epoch_permutation(num_windows, seed, epoch):
-    return np.random.default_rng((seed, epoch)).permutation(num_windows)
+def micro_batches(dataset, micro_batch_size, dp_rank, dp_size, start_step=0, num_micro_batches=1):
+    """Yield micro-batches forever (``num_micro_batches`` per global step from ``start_step``), see the
+    module docstring for which samples each (step, rank, micro-batch) gets.
 
-
-def micro_batches(windows, micro_batch_size, dp_rank, dp_size, start_step=0, num_micro_batches=1, seed=1234):
-    """Yield ``{"tokens", "labels"}`` LongTensors of shape ``[micro_batch_size, seq_length]`` forever.
-
-    Yields ``num_micro_batches`` micro-batches per global step, starting at global step ``start_step``;
-    see the module docstring for which windows each (step, rank, micro-batch) gets.
+    A batch holds LongTensors ``tokens``, ``labels``, ``position_ids`` ``[b, s]``, a float ``loss_mask``
+    ``[b, s]`` and, when the dataset resets attention at document boundaries, a bool ``attention_mask``
+    ``[b, 1, s, s]`` (True = masked, megatron's convention). Running past the dataset's samples is an
+    error: build it with at least ``steps * global_batch_size`` samples.
     """
     if not 0 <= dp_rank < dp_size:
         raise ValueError(f"dp_rank {dp_rank} not in [0, {dp_size})")
@@ -80,8 +58,9 @@ def micro_batches(windows, micro_batch_size, dp_rank, dp_size, start_step=0, num
     while True:
         for k in range(num_micro_batches):
             first = step * global_batch + (k * dp_size + dp_rank) * micro_batch_size
-            epochs, offsets = np.divmod(np.arange(first, first + micro_batch_size), windows.num_windows)
-            ids = [_epoch_permutation(windows.num_windows, seed, e)[o] for e, o in zip(epochs, offsets)]
-            batch = torch.stack([windows.window(int(i)) for i in ids])
-            yield {"tokens": batch[:, :-1].contiguous(), "labels": batch[:, 1:].contiguous()}
+            if first + micro_batch_size > len(dataset):
+                raise IndexError(
+                    f"global step {step} needs samples up to {first + micro_batch_size} but the dataset has "
+                    f"{len(dataset)}: build it with train_samples >= steps * global_batch_size")
+            yield _collate([dataset[i] for i in range(first, first + micro_batch_size)])
         step += 1

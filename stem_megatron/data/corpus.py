@@ -2,6 +2,8 @@
 
 The reST sources shipped by Debian's ``python3.11-doc`` are a real, license-clean, offline-available
 ~11 MB English/code corpus, which is enough for a small pretraining demo without network access.
+This module only adds the train/valid document split and idempotence; tokenizer training and the
+indexed dataset are ``stem-preprocess``'s functions.
 """
 
 import argparse
@@ -10,70 +12,21 @@ import os
 from pathlib import Path
 
 import numpy as np
-import torch
-from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from stem_megatron.data.preprocess import expand_inputs, read_documents, write_indexed_dataset
+from stem_megatron.data.tokenizer import HFTokenizer, train_tokenizer
 
 DEFAULT_SOURCE_DIR = "/usr/share/doc/python3.11/html/_sources"
 APT_HINT = "apt-get update && apt-get install -y python3.11-doc"
-EOD_TOKEN = "<|endoftext|>"
 
 
 def collect_text(source_dir=DEFAULT_SOURCE_DIR):
-    """Yield one document (file contents) per ``*.txt`` file under ``source_dir``, in sorted path order.
-
-    Sorted order makes everything downstream (split, tokenizer, dataset) reproducible.
-    """
-    root = Path(source_dir)
-    files = sorted(root.rglob("*.txt")) if root.is_dir() else []
-    if not files:
-        raise FileNotFoundError(
-            f"no *.txt documentation sources under {root}; install them with `{APT_HINT}`"
-        )
-    for path in files:
-        yield path.read_text(encoding="utf-8")
-
-
-def train_tokenizer(docs, vocab_size, path):
-    """Train a byte-level BPE tokenizer on ``docs`` and save it to ``path`` (tokenizer.json).
-
-    Byte-level BPE never produces unknown tokens and decodes back to the exact input text.
-    ``EOD_TOKEN`` is the first special token, so it gets id 0.
-    """
-    if vocab_size <= 256:
-        raise ValueError(f"vocab_size {vocab_size} must exceed the 256-byte alphabet plus {EOD_TOKEN}")
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=[EOD_TOKEN],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tokenizer.train_from_iterator(docs, trainer=trainer)
-    assert tokenizer.token_to_id(EOD_TOKEN) == 0
-    tokenizer.save(str(path))
-    return tokenizer
-
-
-def build_indexed_dataset(docs, tokenizer, prefix):
-    """Write ``prefix.bin``/``prefix.idx`` with one megatron document (tokens + EOD) per doc.
-
-    Returns the number of tokens written. The dtype is the one megatron's own preprocessing picks
-    for this vocabulary (uint16 below 65500 ids, else int32).
-    """
-    eod = tokenizer.token_to_id(EOD_TOKEN)
-    builder = IndexedDatasetBuilder(
-        f"{prefix}.bin", dtype=DType.optimal_dtype(tokenizer.get_vocab_size())
-    )
-    num_tokens = 0
-    for doc in docs:
-        ids = tokenizer.encode(doc).ids + [eod]
-        builder.add_document(torch.tensor(ids), [len(ids)])
-        num_tokens += len(ids)
-    builder.finalize(f"{prefix}.idx")
-    return num_tokens
+    """One document (file contents) per ``*.txt`` file under ``source_dir``, in sorted path order."""
+    try:
+        files = expand_inputs([source_dir], "*.txt")
+    except FileNotFoundError as e:
+        raise FileNotFoundError(f"{e}; install the documentation sources with `{APT_HINT}`") from None
+    return read_documents(files)
 
 
 def _summary(out_dir, info, cached):
@@ -118,12 +71,14 @@ def prepare_corpus(out_dir, vocab_size=4096, valid_fraction=0.02, seed=1234, sou
     }
 
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer = train_tokenizer(splits["train"], vocab_size, out / "tokenizer.json")
+    train_tokenizer(splits["train"], vocab_size, out / "tokenizer.json")
+    tokenizer = HFTokenizer(out / "tokenizer.json")
+    stats = {name: write_indexed_dataset(split, tokenizer, out / name) for name, split in splits.items()}
     info = {
         "settings": settings,
-        "docs": {name: len(split) for name, split in splits.items()},
-        "tokens": {name: build_indexed_dataset(split, tokenizer, out / name) for name, split in splits.items()},
-        "tokenizer_vocab_size": tokenizer.get_vocab_size(),
+        "docs": {name: s["docs"] for name, s in stats.items()},
+        "tokens": {name: s["tokens"] for name, s in stats.items()},
+        "tokenizer_vocab_size": tokenizer.vocab_size,
     }
     tmp = out / "READY.tmp"
     tmp.write_text(json.dumps(info, indent=1))

@@ -13,6 +13,7 @@ from typing import Optional, Sequence
 
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -51,14 +52,28 @@ def stem_mlp_spec(
     )
 
 
+def _with_attn_mask_type(layer: ModuleSpec, attn_mask_type: AttnMaskType) -> ModuleSpec:
+    attention = layer.submodules.self_attention
+    attention = dataclasses.replace(attention, params={**attention.params, "attn_mask_type": attn_mask_type})
+    return dataclasses.replace(layer, submodules=dataclasses.replace(layer.submodules, self_attention=attention))
+
+
 def decoder_block_spec(
     config: TransformerConfig,
     replaced_layers: Sequence[int],
     mlp: ModuleSpec,
     use_te: bool = False,
     pp_rank: Optional[int] = None,
+    attn_mask_type: AttnMaskType = AttnMaskType.causal,
 ) -> TransformerBlockSubmodules:
-    """This pipeline stage's layer specs, with ``mlp`` at the global indices in ``replaced_layers``."""
+    """This pipeline stage's layer specs, with ``mlp`` at the global indices in ``replaced_layers``.
+
+    ``attn_mask_type=AttnMaskType.arbitrary`` makes attention obey the ``attention_mask`` passed to
+    the forward (cross-document masking of packed samples). With ``causal`` only megatron's local
+    attention in fp32 (our CPU path) applies an explicit mask; its fused fp16/bf16 softmax kernel
+    (used when the shapes allow) and Transformer Engine attention ignore it. ``arbitrary`` needs the
+    mask on every forward: without one, attention is bidirectional.
+    """
     block = get_gpt_decoder_block_spec(config, use_transformer_engine=use_te, normalization="RMSNorm", pp_rank=pp_rank)
     offset = get_transformer_layer_offset(config, pp_rank=pp_rank)
     wanted = set(replaced_layers)
@@ -68,4 +83,5 @@ def decoder_block_spec(
         else spec
         for i, spec in enumerate(block.layer_specs)
     ]
+    layer_specs = [_with_attn_mask_type(spec, attn_mask_type) for spec in layer_specs]
     return dataclasses.replace(block, layer_specs=layer_specs)

@@ -6,8 +6,9 @@ on any stage need them for ``U_l[t]``, the last stage needs the labels.
 
 from __future__ import annotations
 
+import functools
 import math
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
@@ -18,24 +19,35 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from stem_megatron.model.token_context import token_ids
 
 
-def _loss_func(loss_per_token: torch.Tensor):
-    loss = loss_per_token.float().mean()
+def _loss_func(loss_mask, loss_per_token: torch.Tensor):
+    """Mean over the tokens the loss mask keeps (``data.eod_mask_loss``; no mask: every token)."""
+    loss_per_token = loss_per_token.float()
+    if loss_mask is None:
+        loss = loss_per_token.mean()
+    else:
+        loss = (loss_per_token * loss_mask).sum() / loss_mask.sum().clamp(min=1)
     # clone: the schedule divides the returned loss by num_microbatches in place
     return loss, {"lm loss": loss.detach().clone()}
 
 
 def make_forward_step(vocab_size: int):
-    """megatron ``forward_step_func``: the model call inside the token-id context STEM layers read."""
+    """megatron ``forward_step_func``: the model call inside the token-id context STEM layers read.
+
+    A batch holds ``tokens`` and ``labels``, and from megatron's GPT dataset also ``position_ids``,
+    ``loss_mask`` and, with cross-document masking, ``attention_mask`` (True = masked).
+    """
 
     def forward_step(data_iterator: Iterator[dict], model: torch.nn.Module):
         batch = next(data_iterator)
-        tokens, labels = batch["tokens"], batch["labels"]
         if torch.cuda.is_available():  # the data iterator yields host tensors
-            tokens, labels = tokens.cuda(non_blocking=True), labels.cuda(non_blocking=True)
-        position_ids = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0).expand_as(tokens)
+            batch = {k: v.cuda(non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+        tokens = batch["tokens"]
+        position_ids = batch.get("position_ids")
+        if position_ids is None:
+            position_ids = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0).expand_as(tokens)
         with token_ids(tokens, vocab_size, batch.get("stem")):
-            output = model(tokens, position_ids, None, labels=labels)
-        return output, _loss_func
+            output = model(tokens, position_ids, batch.get("attention_mask"), labels=batch["labels"])
+        return output, functools.partial(_loss_func, batch.get("loss_mask"))
 
     return forward_step
 

@@ -1,0 +1,76 @@
+"""Check a megatron indexed dataset (``prefix.idx`` + ``prefix.bin``) before training reads it.
+
+megatron-core's ``IndexedDataset`` reports damage opaquely and late: a truncated ``.idx`` header
+raises ``struct.error: unpack requires a buffer of 8 bytes``, a truncated body ``ValueError: buffer is
+smaller than requested size``, a foreign file ``AssertionError: bad header`` (gone under ``python -O``),
+each followed by ``Exception ignored in __del__`` noise; a truncated ``.bin`` opens fine and fails
+only when training reaches the missing sample. This check reads the documented layout itself (header
+magic, version, dtype, counts; file sizes the counts imply), so megatron only ever opens sound files,
+and a failure names the file, the problem and the fix.
+"""
+
+from __future__ import annotations
+
+import struct
+from pathlib import Path
+
+import numpy as np
+from megatron.core.datasets.indexed_dataset import _INDEX_HEADER, DType
+
+from stem_megatron.data.batches import check_token_ids
+
+_HEADER = struct.Struct("<9sQBQQ")  # magic, version, dtype code, sequence count, document count
+FIX = "re-run stem-preprocess (or `python -m stem_megatron.data.corpus` for the demo corpus) to rebuild it"
+
+
+def _fail(path, problem):
+    raise ValueError(f"{path}: {problem}; {FIX}")
+
+
+def _size_problem(actual, expected, what):
+    kind = "truncated" if actual < expected else "corrupt"
+    return f"{kind}: {actual} bytes, but {what} implies {expected}"
+
+
+def check_indexed_dataset(prefix, vocab_size=None) -> int:
+    """Raise ValueError unless ``prefix.{idx,bin}`` form a complete dataset; returns its token count.
+
+    With ``vocab_size`` every token id is also checked to lie in ``[0, vocab_size)`` (one min/max pass
+    over the memory-mapped tokens), so a tokenizer/model vocabulary mismatch fails here.
+    """
+    idx, bin_ = Path(f"{prefix}.idx"), Path(f"{prefix}.bin")
+    for path in (idx, bin_):
+        if not path.is_file():
+            _fail(path, "missing")
+    idx_size = idx.stat().st_size
+    with idx.open("rb") as f:
+        header = f.read(_HEADER.size)
+    if len(header) < _HEADER.size:
+        _fail(idx, f"truncated header: {idx_size} bytes, a megatron index header has {_HEADER.size}")
+    magic, version, code, num_seqs, num_docs = _HEADER.unpack(header)
+    if magic != _INDEX_HEADER:
+        _fail(idx, f"corrupt header: magic {magic!r} is not megatron's {_INDEX_HEADER!r}")
+    if version != 1:
+        _fail(idx, f"corrupt header: version {version}, megatron-core reads version 1")
+    if code not in [d.value for d in DType]:
+        _fail(idx, f"corrupt header: unknown token dtype code {code}")
+    dtype = DType.dtype_from_code(code)
+    expected = _HEADER.size + num_seqs * (4 + 8) + num_docs * 8  # int32 lengths, int64 pointers, int64 doc ends
+    if idx_size != expected:
+        _fail(idx, _size_problem(idx_size, expected, f"its header ({num_seqs} sequences, {num_docs} document marks)"))
+    lengths = np.fromfile(idx, dtype=np.int32, count=num_seqs, offset=_HEADER.size)
+    doc_ends = np.fromfile(idx, dtype=np.int64, count=num_docs, offset=_HEADER.size + 12 * num_seqs)
+    if num_docs == 0 or doc_ends[-1] != num_seqs or (lengths < 0).any():
+        _fail(idx, "corrupt index: document marks or sequence lengths are inconsistent")
+    num_tokens = int(lengths.sum(dtype=np.int64))
+    bin_size = bin_.stat().st_size
+    if bin_size != num_tokens * np.dtype(dtype).itemsize:
+        _fail(bin_, _size_problem(bin_size, num_tokens * np.dtype(dtype).itemsize,
+                                  f"{idx.name} ({num_tokens} {np.dtype(dtype).name} tokens)"))
+    if vocab_size is not None and num_tokens:
+        try:
+            check_token_ids(np.memmap(bin_, dtype=dtype, mode="r"), vocab_size)
+        except ValueError as e:
+            raise ValueError(f"{bin_}: {e} (or the dataset was tokenized with another tokenizer: re-run "
+                             f"stem-preprocess with this run's tokenizer.json)") from None
+    return num_tokens
