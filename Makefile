@@ -8,8 +8,9 @@ NPROC ?= 2
 setup:
 	bash tools/setup.sh
 
+# the demo trains from step 1 every time (runs resume from their checkpoints by default)
 demo: setup
-	$(VENV)/bin/torchrun --nproc_per_node $(NPROC) -m stem_megatron.train $(ARGS)
+	$(VENV)/bin/torchrun --nproc_per_node $(NPROC) -m stem_megatron.train checkpoint.resume=false $(ARGS)
 
 test: setup
 	$(VENV)/bin/python -m pytest -q $(ARGS)

@@ -13,8 +13,8 @@
 #   OUT_DIR          run directory; default runs/slurm/<job name>-<job id> (an out_dir=... override wins)
 #   EXTRA_OVERRIDES  more Hydra overrides (space-separated), placed after DEFAULTS and before "$@"
 #   MASTER_PORT      rendezvous port on the first node; default 20000 + job id % 20000
-#   REQUEUE          what SIGUSR1 (sbatch --signal=B:USR1@120, before the time limit) does: auto (default)
-#                    requeues the job when the run can resume (see RESUME below), 1 always, 0 never
+#   REQUEUE          what SIGUSR1 (sbatch --signal=B:USR1@120, before the time limit) does: 1 (default)
+#                    requeues the job, which then resumes from its latest checkpoint (see RESUME), 0 not
 
 set -euo pipefail
 : "${SLURM_JOB_ID:?not inside a SLURM job: submit with sbatch (see docs/cluster.md)}"
@@ -79,34 +79,29 @@ else
   OVERRIDES+=("out_dir=$OUT_DIR")
 fi
 
-# ==== RESUME: the one place to change when checkpoint/resume lands ======================================
-# A requeued job (time limit, node failure, preemption) runs this script again with the same job id,
-# hence the same OUT_DIR, and SLURM_RESTART_COUNT > 0. stem_megatron cannot resume yet, so the run starts
-# from step 1; the earlier attempt's metrics are kept as metrics.attempt<N>.jsonl. And with REQUEUE=auto
-# the time-limit signal does not requeue: the run would start over and hit the limit again, forever.
-# Once checkpoints exist: set CAN_RESUME=1, replace the `echo` with the resume override (e.g.
-# OVERRIDES+=(checkpoint.resume=true); RESUMING=1), and drop the metrics move if a resumed run continues
-# metrics.jsonl.
-CAN_RESUME=0
-RESUMING=0
+# ==== RESUME ==============================================================================================
+# A requeued job (time limit, node failure, preemption) runs this script again with the same job id, hence
+# the same OUT_DIR, and SLURM_RESTART_COUNT > 0. The run resumes by itself from $OUT_DIR/checkpoints/latest
+# (checkpoint.resume=true is the default; set checkpoint.save_interval so little is lost): model, both
+# optimizers, LR schedule, data position and RNG continue exactly. metrics.jsonl keeps the steps up to the
+# checkpoint; the earlier attempt's complete file is copied to metrics.attempt<N>.jsonl first.
 if [ -e "$OUT_DIR/checkpoints/latest" ]; then
-  echo "found $OUT_DIR/checkpoints/latest, but resuming is not implemented yet: training starts from step 1"
+  echo "resuming from $OUT_DIR/checkpoints/$(cat "$OUT_DIR/checkpoints/latest")"
 fi
-if [ "$RESUMING" = 0 ] && [ "${SLURM_RESTART_COUNT:-0}" -gt 0 ] && [ -f "$OUT_DIR/metrics.jsonl" ]; then
-  mv "$OUT_DIR/metrics.jsonl" "$OUT_DIR/metrics.attempt$(( SLURM_RESTART_COUNT - 1 )).jsonl"
+if [ "${SLURM_RESTART_COUNT:-0}" -gt 0 ] && [ -f "$OUT_DIR/metrics.jsonl" ]; then
+  cp "$OUT_DIR/metrics.jsonl" "$OUT_DIR/metrics.attempt$(( SLURM_RESTART_COUNT - 1 )).jsonl"
 fi
 # =========================================================================================================
 
 # ---- requeue shortly before the time limit --------------------------------------------------------------
 # shellcheck disable=SC2329  # called by the trap
 requeue() {
-  local mode=${REQUEUE:-auto}
-  if [ "$mode" = 1 ] || { [ "$mode" = auto ] && [ "$CAN_RESUME" = 1 ]; }; then
+  if [ "${REQUEUE:-1}" = 1 ]; then
     echo "$(date '+%F %T') SIGUSR1 (time limit near): requeueing job $SLURM_JOB_ID" \
          "(restart $(( ${SLURM_RESTART_COUNT:-0} + 1 )))"
     scontrol requeue "$SLURM_JOB_ID"
   else
-    echo "$(date '+%F %T') SIGUSR1 (time limit near): not requeueing (REQUEUE=$mode, CAN_RESUME=$CAN_RESUME)"
+    echo "$(date '+%F %T') SIGUSR1 (time limit near): not requeueing (REQUEUE=0)"
   fi
 }
 trap requeue USR1

@@ -7,10 +7,12 @@ process group starts, so a bad field fails in a second with a message that names
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Optional
 
 import torch
 
+from stem_megatron.data.integrity import check_indexed_dataset
 from stem_megatron.model.layer_plan import RATIOS, VARIANTS, stem_layer_indices
 
 
@@ -81,14 +83,36 @@ class TrainConfig:
     clip_grad: float = 1.0
     seed: int = 1234
     log_interval: int = 1
+    exit_after_steps: Optional[int] = None  # stop (after saving a checkpoint) once this job ran this many steps
+    eval_interval: int = 0  # validation loss every this many steps (0: after the last step only)
+    eval_iters: int = 2  # global batches of the validation split per evaluation (0: no validation)
 
 
 @dataclass
 class DataConfig:
-    """Tokenized corpus made by ``python -m stem_megatron.data.corpus`` (train/valid indexed datasets)."""
+    """Tokenized data: ``dir`` holds ``tokenizer.json`` and indexed datasets (``stem-preprocess``, or
+    ``python -m stem_megatron.data.corpus`` for the demo's train/valid split); megatron packs, shuffles
+    and blends them (``data/datasets.py``). Prefixes are relative to ``dir`` unless absolute."""
 
     dir: str = "data_cache/python-doc"
-    vocab_size: int = 4096
+    vocab_size: int = 4096  # the tokenizer's; model.vocab_size must cover it
+    blend: Optional[list] = None  # [[weight, prefix], ...]; None: [[1, train]]
+    valid_prefixes: Optional[list[str]] = None  # None: [valid]
+    valid_samples: Optional[int] = None  # None: one pass over the validation prefixes
+    reset_position_ids: bool = False  # positions restart after every EOD
+    reset_attention_mask: bool = False  # tokens attend only within their own document
+    eod_mask_loss: bool = False  # no loss on EOD targets
+    cache_dir: Optional[str] = None  # megatron's index cache, shared by all ranks; None: <dir>/index_cache
+
+    def _path(self, prefix) -> str:
+        return str(Path(self.dir) / prefix)  # an absolute prefix stays as it is
+
+    def train_blend(self) -> list[tuple[float, str]]:
+        """``(weight, prefix path)`` pairs of the training mix."""
+        return [(weight, self._path(prefix)) for weight, prefix in (self.blend or [[1, "train"]])]
+
+    def valid_prefix_paths(self) -> list[str]:
+        return [self._path(prefix) for prefix in (self.valid_prefixes or ["valid"])]
 
 
 @dataclass
@@ -110,6 +134,20 @@ class LoggingConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    """Where and how often to save, what to resume from (docs/checkpoints.md)."""
+
+    dir: Optional[str] = None  # None: <out_dir>/checkpoints
+    save_interval: int = 0  # save every this many steps (0: only after the last step)
+    keep: int = 2  # complete checkpoints kept (0: all)
+    resume: bool = True  # continue from <dir>/latest when it exists
+    load: Optional[str] = None  # resume from this checkpoint (a step dir or a root with `latest`) instead
+    init_from: Optional[str] = None  # new run whose weights and STEM tables come from this checkpoint
+    init_required: bool = False  # the recipe continues an earlier stage: init_from must be given
+    export: Optional[str] = None  # after the last step, write a single-process export here
+
+
+@dataclass
 class RunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     stem: STEMConfig = field(default_factory=STEMConfig)
@@ -117,12 +155,34 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     data: DataConfig = field(default_factory=DataConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     out_dir: str = "runs/default"
 
 
 def _check(ok: bool, field_name: str, message: str) -> None:
     if not ok:
         raise ConfigError(f"{field_name}: {message}")
+
+
+def _validate_data(d: DataConfig) -> None:
+    """Blend shape and weights, and every prefix complete on disk (header and sizes; token ids are
+    checked against the vocabulary when the datasets are built)."""
+    _check((Path(d.dir) / "tokenizer.json").is_file(), "data.dir",
+           f"{d.dir}/tokenizer.json not found: prepare the corpus (tools/setup.sh, stem-preprocess)")
+    _check(d.blend is None or len(d.blend) > 0, "data.blend", "is empty: give [[weight, prefix], ...] or null")
+    for i, entry in enumerate(d.blend or []):
+        ok = isinstance(entry, (list, tuple)) and len(entry) == 2 and isinstance(entry[1], str)
+        _check(ok, f"data.blend[{i}]", f"{entry!r} is not a [weight, prefix] pair")
+        _check(isinstance(entry[0], (int, float)) and entry[0] > 0, f"data.blend[{i}]",
+               f"weight {entry[0]!r} must be a number > 0")
+    _check(d.valid_samples is None or d.valid_samples >= 1, "data.valid_samples", "must be >= 1 or null")
+    for field_name, prefixes in (("data.blend", [p for _, p in d.train_blend()]),
+                                 ("data.valid_prefixes", d.valid_prefix_paths())):
+        for prefix in prefixes:
+            try:
+                check_indexed_dataset(prefix)
+            except ValueError as e:
+                raise ConfigError(f"{field_name}: {e}") from None
 
 
 def validate(cfg: RunConfig, world_size: int) -> int:
@@ -183,13 +243,28 @@ def validate(cfg: RunConfig, world_size: int) -> int:
         raise ConfigError(f"stem.layers: {e}") from None
     _check(m.vocab_size >= cfg.data.vocab_size, "model.vocab_size",
            f"{m.vocab_size} is smaller than the tokenizer's data.vocab_size={cfg.data.vocab_size}")
+    _validate_data(cfg.data)
     per_step = t.micro_batch_size * dp
     _check(t.global_batch_size % per_step == 0, "train.global_batch_size",
            f"{t.global_batch_size} is not divisible by micro_batch_size*dp = {per_step}")
     _check(t.decay_style in ("cosine", "linear"), "train.decay_style",
            f"{t.decay_style!r} is not 'cosine' or 'linear'")
     _check(t.steps >= 1, "train.steps", "must be >= 1")
+    _check(t.exit_after_steps is None or t.exit_after_steps >= 1, "train.exit_after_steps", "must be >= 1")
+    _check(t.eval_interval >= 0 and t.eval_iters >= 0, "train.eval_interval",
+           "train.eval_interval and train.eval_iters must be >= 0")
     _check(0.0 <= t.min_lr_ratio <= 1.0, "train.min_lr_ratio", "must be in [0, 1]")
+    c = cfg.checkpoint
+    _check(c.save_interval >= 0, "checkpoint.save_interval", "must be >= 0 (0: save after the last step)")
+    _check(c.keep >= 0, "checkpoint.keep", "must be >= 0 (0: keep every checkpoint)")
+    _check(not (c.load and c.init_from), "checkpoint.init_from",
+           "set either checkpoint.load (resume a run) or checkpoint.init_from (start a new run from "
+           "its weights), not both")
+    _check(c.init_from or c.load or not c.init_required, "checkpoint.init_from",
+           "this recipe continues an earlier training stage: set checkpoint.init_from=<that run's checkpoints "
+           "directory or one of its step_* checkpoints>")
+    for name, path in (("checkpoint.load", c.load), ("checkpoint.init_from", c.init_from)):
+        _check(path is None or Path(path).exists(), name, f"{path} does not exist")
     lg = cfg.logging
     _check(lg.wandb_mode in ("offline", "online", "disabled"), "logging.wandb_mode",
            f"{lg.wandb_mode!r} is not 'offline', 'online' or 'disabled'")

@@ -80,3 +80,21 @@ def test_paper_experiments_compose_and_validate_for_64_gpus(experiment, model, l
     assert cfg.model.name == model and cfg.train.lr == lr and cfg.train.global_batch_size == 512
     assert (cfg.train.adam_beta1, cfg.train.adam_beta2, cfg.train.weight_decay) == (0.9, 0.95, 0.1)
     assert validate(cfg, 64) == 64
+
+
+@pytest.mark.parametrize("experiment, lr, decay, seq, batch, cross_doc", [
+    ("midtrain_1b", 3.2e-4, "linear", 4096, 512, False),
+    ("context_extend_1b", 1e-5, "cosine", 32768, 64, True)])
+def test_later_stages_compose_and_validate(experiment, lr, decay, seq, batch, cross_doc, tmp_path):
+    """Table 2's mid-training and context-extension rows; both start from an earlier stage's checkpoint,
+    which they require."""
+    with pytest.raises(ConfigError, match="checkpoint.init_from: this recipe continues an earlier training stage"):
+        validate(to_run_config(_compose(f"+experiment={experiment}", "variant=stem_1_3")), 64)
+    cfg = to_run_config(_compose(f"+experiment={experiment}", "variant=stem_1_3", f"checkpoint.init_from={tmp_path}"))
+    t = cfg.train
+    assert (cfg.model.name, t.lr, t.decay_style, cfg.model.seq_length, t.global_batch_size) == (
+        "llama3.2_1b", lr, decay, seq, batch)
+    assert cfg.data.reset_attention_mask == cfg.data.reset_position_ids == cross_doc
+    if experiment == "midtrain_1b":
+        assert [w for w, _ in cfg.data.blend] == [65, 5, 30]
+    assert validate(cfg, 64) == 64

@@ -20,6 +20,7 @@ from megatron.core.tensor_parallel.layers import (
 )
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 from megatron.core.utils import divide
 
 
@@ -50,6 +51,12 @@ class DeviceRowTable(MegatronModule):
                 torch.empty(*shape, dtype=config.params_dtype, device=torch.cuda.current_device())
             )
             _initialize_affine_weight_gpu(self.weight, init, partition_dim=1)
+
+    def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+        """Checkpoint ``weight`` as TP-sharded along d_ff (dim 1); megatron's default would treat it
+        as replicated over TP."""
+        state = self.state_dict(prefix="", keep_vars=True)
+        return make_sharded_tensors_for_checkpoint(state, prefix, {"weight": 1}, sharded_offsets)
 
     def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
         """token_ids [s, b] -> rows [s, b, d_ff/tp]."""

@@ -42,19 +42,19 @@ _END = object()
 
 class RowPrefetcher:
     def __init__(self, data: Iterator[dict], store: HostTableStore, num_micro_batches: int, vocab_size: int,
-                 depth: int = 2):
+                 depth: int = 2, start_step: int = 0):
         self.store = store
         self.wait_s = 0.0
         self._queue: queue.Queue = queue.Queue(maxsize=depth)
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._work, args=(data, num_micro_batches, vocab_size),
+        self._thread = threading.Thread(target=self._work, args=(data, num_micro_batches, vocab_size, start_step),
                                         name="stem-prefetch", daemon=True)
         self._thread.start()
 
-    def _work(self, data, num_micro_batches, vocab_size) -> None:
+    def _work(self, data, num_micro_batches, vocab_size, start_step) -> None:
         try:
             for i, batch in enumerate(data):
-                self.store.wait_for_step(i // num_micro_batches, self._stop)
+                self.store.wait_for_step(start_step + i // num_micro_batches, self._stop)
                 if self._stop.is_set():
                     return
                 tokens = batch["tokens"]

@@ -37,12 +37,24 @@ class RowAdam:
         self.opt_id = next(_ids)
         self.beta1, self.beta2 = betas
         self.eps, self.weight_decay = eps, weight_decay
+        self._kernel_step = None
         self.kernel.create_adam(self.opt_id, 0.0, self.beta1, self.beta2, eps, weight_decay, True, False)
+
+    def _start(self, step: int) -> None:
+        """A fresh kernel state for each step. The kernel otherwise derives beta^step by multiplying
+        onto its previous step's value, so the bias correction (in float) would depend on where the
+        run started: a resumed run would drift from a straight one in the last bits."""
+        if step != self._kernel_step:
+            self.kernel.destroy_adam(self.opt_id)
+            self.kernel.create_adam(self.opt_id, 0.0, self.beta1, self.beta2, self.eps, self.weight_decay,
+                                    True, False)
+            self._kernel_step = step
 
     def update(self, step: int, lr: float, param, grad, exp_avg, exp_avg_sq) -> None:
         """One AdamW step for ``param`` rows (all four tensors contiguous, same shape, fp32)."""
         if param.numel() == 0:
             return
+        self._start(step)
         self.kernel.adam_update(self.opt_id, step, lr, self.beta1, self.beta2, self.eps, self.weight_decay,
                                 True, param, grad, exp_avg, exp_avg_sq)
 

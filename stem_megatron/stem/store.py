@@ -106,6 +106,13 @@ class HostTableStore:
             self.weight[layer].copy_(table[:, self.tp_rank * self.cols:(self.tp_rank + 1) * self.cols])
         dist.barrier(self.node.group)
 
+    def restore_step(self, steps_done: int) -> None:
+        """After loading a checkpoint: continue the Adam step count and re-read the cached rows."""
+        with self._version:
+            self.steps_done = steps_done
+            self._version.notify_all()
+        self.cache.refresh(steps_done, self.weight, None)
+
     @property
     def host_bytes(self) -> int:
         """Bytes of host memory this rank's node holds for this stage's tables and moments."""

@@ -16,14 +16,19 @@ from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
 from megatron.core.optimizer import MegatronOptimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import get_num_layers_to_build
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
 from stem_megatron import parallel
+from stem_megatron.checkpoint import manager as checkpoints
+from stem_megatron.checkpoint.atomic import CheckpointError, resolve
+from stem_megatron.checkpoint.export import export
 from stem_megatron.config import RunConfig, validate
-from stem_megatron.data.batches import TokenWindows, micro_batches
+from stem_megatron.data.batches import micro_batches
+from stem_megatron.data.datasets import run_datasets
 from stem_megatron.model.gpt import build_gpt, planned_stem_layers, transformer_config
 from stem_megatron.model.hash_moe import take_moe_stats
 from stem_megatron.model.stem_mlp import STEM_VARIANTS
@@ -34,6 +39,7 @@ from stem_megatron.training.metrics import MetricsWriter
 from stem_megatron.training.optim import build_optimizer, build_scheduler, wrap_ddp
 from stem_megatron.training.spikes import SpikeDetector
 from stem_megatron.training.step import train_step
+from stem_megatron.training.validation import check_size, validation_loss
 from stem_megatron.training.tracking import (
     WandbTracker,
     device_peak_tflops,
@@ -76,8 +82,11 @@ def setup_model(cfg: RunConfig) -> Trainer:
         device = torch.device("cuda", torch.cuda.current_device()) if gpu else torch.device("cpu")
         store = build_store(cfg, tconfig, device)
         row_source = ModuleSpec(module=HostRowSource, params={"store": store})
+    # explicit per-document masks need the "arbitrary" type on GPU (fused softmax / TE ignore a mask
+    # under "causal"); on CPU both apply it
+    mask = AttnMaskType.arbitrary if cfg.data.reset_attention_mask else AttnMaskType.causal
     model = build_gpt(cfg.model, cfg.stem, tconfig, row_source=row_source,
-                      use_te=gpu and parallel.have_transformer_engine())
+                      use_te=gpu and parallel.have_transformer_engine(), attn_mask_type=mask)
     if gpu:
         model.cuda()  # megatron's torch RMSNorm (no TE) is created without a device
     model = wrap_ddp(model, tconfig, cfg.parallel)
@@ -92,31 +101,57 @@ def setup_model(cfg: RunConfig) -> Trainer:
 def run(cfg: RunConfig) -> list[dict]:
     """Train ``cfg.train.steps`` steps; returns the step records (rank 0 also writes them)."""
     dp = validate(cfg, int(os.environ.get("WORLD_SIZE", 1)))
-    windows = TokenWindows(str(Path(cfg.data.dir) / "train"), cfg.model.seq_length, cfg.model.vocab_size)
     parallel.single_process_env()
     parallel.initialize(cfg.parallel.tensor_model_parallel_size, cfg.parallel.pipeline_model_parallel_size,
                         cfg.train.seed, ep=cfg.parallel.expert_model_parallel_size)
     try:
-        return _train(cfg, dp, windows)
+        return _train(cfg, dp)
     finally:
         parallel.destroy()
 
 
-def _train(cfg: RunConfig, dp: int, windows: TokenWindows) -> list[dict]:
+def _resume(cfg: RunConfig, trainer: Trainer, detector: SpikeDetector) -> int:
+    """Load the checkpoint this run continues from (or the weights it starts from); returns the step."""
+    path = checkpoints.find(cfg)
+    if path is not None:
+        step = checkpoints.load(path, cfg, trainer, detector)
+        if dist.get_rank() == 0:
+            print(f"resumed from {path} after step {step}", flush=True)
+        return step
+    if cfg.checkpoint.init_from:
+        source = resolve(Path(cfg.checkpoint.init_from))
+        if source is None:
+            raise CheckpointError(f"checkpoint.init_from={cfg.checkpoint.init_from} holds no checkpoint")
+        checkpoints.init_weights(source, cfg, trainer)
+        if dist.get_rank() == 0:
+            print(f"initialised weights and STEM tables from {source}", flush=True)
+    return 0
+
+
+def _train(cfg: RunConfig, dp: int) -> list[dict]:
     t = cfg.train
     rank0 = dist.get_rank() == 0
+    train_data, valid_data = run_datasets(cfg)  # collective: rank 0 builds megatron's indices first
+    if t.eval_iters:
+        check_size(cfg, len(valid_data))
     trainer = setup_model(cfg)
+    lg = cfg.logging
+    detector = SpikeDetector(lg.spike_window, lg.spike_k, lg.spike_warmup, detrend=lg.spike_detrend)
+    resumed = _resume(cfg, trainer, detector)
+    if resumed >= t.steps and rank0:
+        print(f"nothing to train: the checkpoint is at step {resumed} of train.steps={t.steps} (for a new run, "
+              f"set checkpoint.resume=false or another out_dir)", flush=True)
+    last = t.steps if t.exit_after_steps is None else min(t.steps, resumed + t.exit_after_steps)
     n_micro = t.global_batch_size // (t.micro_batch_size * dp)
-    data = micro_batches(windows, t.micro_batch_size, parallel_state.get_data_parallel_rank(), dp,
-                         num_micro_batches=n_micro, seed=t.seed)
+    data = micro_batches(train_data, t.micro_batch_size, parallel_state.get_data_parallel_rank(), dp,
+                         start_step=resumed, num_micro_batches=n_micro)
     if trainer.store is not None:
-        data = RowPrefetcher(data, trainer.store, n_micro, cfg.model.vocab_size, cfg.stem.prefetch_depth)
+        data = RowPrefetcher(data, trainer.store, n_micro, cfg.model.vocab_size, cfg.stem.prefetch_depth,
+                             start_step=resumed)
     if rank0:
         Path(cfg.out_dir).mkdir(parents=True, exist_ok=True)
         (Path(cfg.out_dir) / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
-    writer = MetricsWriter(cfg.out_dir, rank0, t.steps)
-    lg = cfg.logging
-    detector = SpikeDetector(lg.spike_window, lg.spike_k, lg.spike_warmup, detrend=lg.spike_detrend)
+    writer = MetricsWriter(cfg.out_dir, rank0, t.steps, resume_step=resumed)
     flops_per_token = model_flops_per_token(cfg.model, cfg.stem)
     peak_tflops = lg.peak_tflops or device_peak_tflops()
     records = []
@@ -124,7 +159,7 @@ def _train(cfg: RunConfig, dp: int, windows: TokenWindows) -> list[dict]:
     with WandbTracker(cfg.out_dir, dataclasses.asdict(cfg), project=lg.project, mode=lg.wandb_mode,
                       name=lg.run_name, tags=lg.tags, entity=lg.entity, group=lg.group,
                       enabled=rank0 and lg.wandb) as tracker:
-        for step in range(1, t.steps + 1):
+        for step in range(resumed + 1, last + 1):
             start = time.perf_counter()
             out = train_step(trainer, data, n_micro, t.micro_batch_size, cfg.model.seq_length, cfg.model.vocab_size)
             elapsed = time.perf_counter() - start
@@ -136,14 +171,24 @@ def _train(cfg: RunConfig, dp: int, windows: TokenWindows) -> list[dict]:
             record.update(throughput_metrics(record["tokens_per_s"], flops_per_token, peak_tflops,
                                              dist.get_world_size()))
             record.update(detector.update(record["loss"]))
+            if t.eval_iters and (step == t.steps or (t.eval_interval and step % t.eval_interval == 0)):
+                record.update(validation_loss(trainer, valid_data, cfg, dp))
             records.append(record)
             if record["loss_spike"] and rank0 and record["loss_spike_size"] is not None:
                 print(f"loss spike at step {step}: {record['loss']:.4f} is {record['loss_spike_size']:.1f} "
                       f"std above the recent losses ({record['loss_spike_count']} so far)", flush=True)
-            if step % t.log_interval == 0 or step == t.steps or record["loss_spike"]:
+            if step % t.log_interval == 0 or step == t.steps or record["loss_spike"] or "valid_loss" in record:
                 writer.log(record)
                 tracker.log(record)
+            c = cfg.checkpoint
+            if step == last or (c.save_interval and step % c.save_interval == 0):
+                saved = checkpoints.save(cfg, trainer, detector, step)
+                if rank0:
+                    print(f"saved checkpoint {saved}", flush=True)
     writer.close()
     if trainer.store is not None:
         data.close()
+    if cfg.checkpoint.export and last == t.steps and resumed < t.steps:  # a finished run exported already
+        tokenizer = Path(cfg.data.dir) / "tokenizer.json"
+        export(cfg, trainer, Path(cfg.checkpoint.export), tokenizer if tokenizer.exists() else None)
     return records

@@ -1,0 +1,1 @@
+"""Checkpoints: atomic step directories holding dense (dist-checkpointing) and host-table state."""

@@ -1,0 +1,106 @@
+"""Save and resume a whole run: dense state, host tables, schedule, RNG, in one atomic directory.
+
+    step_000020/
+      manifest.json      sizes + CRC32 of every file, the step, the layout and model it was saved with
+      dense/             megatron dist-checkpointing: weights and megatron optimizer state
+      stem/              host-resident U_l slices with their Adam moments (host placement only)
+      train_state.pt     step, LR schedule, spike-detector statistics
+      rng/               per-rank RNG states
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Optional
+
+import torch.distributed as dist
+from megatron.core import parallel_state
+
+from stem_megatron.checkpoint import atomic, dense, host_tables, train_state
+from stem_megatron.checkpoint.atomic import CheckpointError
+from stem_megatron.config import RunConfig
+
+
+def root_dir(cfg: RunConfig) -> Path:
+    return Path(cfg.checkpoint.dir or Path(cfg.out_dir) / "checkpoints")
+
+
+def _layout() -> dict:
+    return {"world": dist.get_world_size(),
+            "tp": parallel_state.get_tensor_model_parallel_world_size(),
+            "pp": parallel_state.get_pipeline_model_parallel_world_size(),
+            "ep": parallel_state.get_expert_model_parallel_world_size(),
+            "dp": parallel_state.get_data_parallel_world_size()}
+
+
+def _identity(cfg: RunConfig) -> dict:
+    """What must match for a checkpoint to load: the model and which layers are STEM / where tables live."""
+    return {"model": dataclasses.asdict(cfg.model),
+            "stem": {k: v for k, v in dataclasses.asdict(cfg.stem).items()
+                     if k not in ("prefetch_depth", "cache_rows")}}
+
+
+def save(cfg: RunConfig, trainer, detector, step: int) -> Path:
+    """Write the checkpoint after ``step`` optimizer steps (collective); returns its directory."""
+    staging = atomic.staging_dir(root_dir(cfg), step)
+    dense.save(trainer.model, trainer.optimizer, staging / "dense")
+    if trainer.store is not None:
+        host_tables.save(trainer.store, staging / "stem")
+    train_state.save(staging, step, trainer.scheduler, detector)
+    meta = {"layout": _layout(), **_identity(cfg)}
+    return atomic.commit(staging, step, meta, cfg.checkpoint.keep)
+
+
+def find(cfg: RunConfig) -> Optional[Path]:
+    """The checkpoint this run resumes from: ``checkpoint.load``, else ``<dir>/latest`` when
+    ``checkpoint.resume``; None for a fresh start."""
+    if cfg.checkpoint.load:
+        found = atomic.resolve(Path(cfg.checkpoint.load))
+        if found is None:
+            raise CheckpointError(f"checkpoint.load={cfg.checkpoint.load} holds no checkpoint")
+        return found
+    return atomic.resolve(root_dir(cfg)) if cfg.checkpoint.resume else None
+
+
+def _check_compatible(cfg: RunConfig, manifest: dict, path: Path) -> None:
+    want = _identity(cfg)
+    for part in ("model", "stem"):
+        diff = sorted(k for k in set(want[part]) | set(manifest.get(part, {}))
+                      if want[part].get(k) != manifest.get(part, {}).get(k))
+        if diff:
+            raise CheckpointError(
+                f"{path} was saved with a different {part} config ({', '.join(f'{part}.{k}' for k in diff)}: "
+                f"checkpoint {[manifest.get(part, {}).get(k) for k in diff]} vs this run "
+                f"{[want[part].get(k) for k in diff]}); resume with the checkpoint's settings")
+    if cfg.stem.placement == "host" and manifest["layout"]["tp"] != _layout()["tp"]:
+        raise CheckpointError(f"{path} holds host tables split for tensor_model_parallel_size="
+                              f"{manifest['layout']['tp']}; resume with that size")
+
+
+def load(path: Path, cfg: RunConfig, trainer, detector) -> int:
+    """Restore everything saved by ``save``; returns the step to continue after (collective)."""
+    manifest = atomic.verify(path)
+    _check_compatible(cfg, manifest, path)
+    dense.load(trainer.model, trainer.optimizer, path / "dense", manifest["step"])
+    step = train_state.load(path, trainer.scheduler, detector, same_layout=manifest["layout"] == _layout())
+    if trainer.store is not None:
+        host_tables.load(trainer.store, path / "stem")
+        trainer.store.restore_step(step)
+    dist.barrier()
+    return step
+
+
+def init_weights(path: Path, cfg: RunConfig, trainer) -> None:
+    """Start a new run from a checkpoint's weights and tables; optimizer, schedule and step start fresh."""
+    manifest = atomic.verify(path)
+    mine, saved = dict(_identity(cfg)["model"]), dict(manifest["model"])
+    mine.pop("seq_length"), saved.pop("seq_length")
+    if mine != saved:
+        raise CheckpointError(f"{path} holds a different model config; checkpoint.init_from needs the same "
+                              f"model.* settings (only seq_length may differ)")
+    dense.load_weights(trainer.model, path / "dense")
+    trainer.optimizer.reload_model_params()
+    if trainer.store is not None:
+        host_tables.load(trainer.store, path / "stem", kinds=("weight",))
+    dist.barrier()

@@ -1,0 +1,67 @@
+"""The rest of the training state: step, LR schedule, spike statistics and random number generators.
+
+With this and the weights/optimizer/table state a resumed run continues exactly where the saved one
+was: the data position is the step itself (``micro_batches(start_step=...)`` needs no other state).
+RNG states are saved per rank (every generator megatron and torch use) and restored on the same rank;
+under a different layout each rank takes those of its (pipeline, tensor) position on DP rank 0.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+from stem_megatron.checkpoint.atomic import CheckpointError
+
+
+def coordinates() -> dict:
+    return {"pp": parallel_state.get_pipeline_model_parallel_rank(),
+            "tp": parallel_state.get_tensor_model_parallel_rank(),
+            "dp": parallel_state.get_data_parallel_rank()}
+
+
+def _rng_path(directory: Path, c: dict) -> Path:
+    return Path(directory) / "rng" / f"pp{c['pp']}-tp{c['tp']}-dp{c['dp']}.pt"
+
+
+def save(directory: Path, step: int, scheduler, detector) -> None:
+    """Rank 0 writes the shared state; every rank writes its RNG states."""
+    c = coordinates()
+    path = _rng_path(directory, c)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save({"torch": torch.get_rng_state(),
+                "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+                "tracker": get_cuda_rng_tracker().get_states(),
+                "numpy": np.random.get_state(), "python": random.getstate()}, path)
+    if dist.get_rank() == 0:
+        torch.save({"step": step, "scheduler": scheduler.state_dict(), "spikes": detector.state_dict()},
+                   Path(directory) / "train_state.pt")
+
+
+def load(directory: Path, scheduler, detector, same_layout: bool) -> int:
+    """Restore schedule, spike statistics and RNG; returns the step the checkpoint was taken after."""
+    state = torch.load(Path(directory) / "train_state.pt", map_location="cpu", weights_only=False)
+    try:
+        scheduler.load_state_dict(state["scheduler"])
+    except AssertionError as error:  # megatron asserts that the schedule is unchanged
+        raise CheckpointError(f"{directory}: {error}. A resumed run keeps its LR schedule: use the saved "
+                              f"train.steps / lr / warmup_ratio / decay_style, or start a new run from these "
+                              f"weights with checkpoint.init_from") from None
+    detector.load_state_dict(state["spikes"])
+    c = coordinates()
+    if not same_layout:
+        c["dp"] = 0
+    rng = torch.load(_rng_path(directory, c), map_location="cpu", weights_only=False)
+    torch.set_rng_state(rng["torch"])
+    if rng["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(rng["cuda"])
+    get_cuda_rng_tracker().set_states(rng["tracker"])
+    np.random.set_state(rng["numpy"])
+    random.setstate(rng["python"])
+    return int(state["step"])

@@ -1,0 +1,201 @@
+"""Checkpoints: exact resume (TP=2 host tables, PP=2 device tables), resume under another DP size,
+a save killed by SIGKILL, damaged checkpoints, and the single-process export."""
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import distributed
+import pytest
+import torch
+from conftest import VOCAB
+
+from stem_megatron.checkpoint import atomic
+from stem_megatron.checkpoint.atomic import CheckpointError
+
+
+def _train(corpus, out_dir, *overrides, nproc=2, parallel="tp2", steps=20, check=True):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "-m",
+           "stem_megatron.train", f"parallel={parallel}", "variant=stem_1_3", "model.num_layers=3",
+           "model.seq_length=32", f"model.vocab_size={VOCAB}", f"data.vocab_size={VOCAB}", f"data.dir={corpus}",
+           f"out_dir={out_dir}", f"train.steps={steps}", "train.micro_batch_size=2", "train.global_batch_size=4",
+           *overrides]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    if check:
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return proc
+
+
+def _metrics(out_dir):
+    return [json.loads(line) for line in (Path(out_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def _weights(export_dir):
+    return torch.load(Path(export_dir) / "model.pt", weights_only=True)["weights"]
+
+
+def _assert_same_run(a, b, exact=True):
+    ra, rb = _metrics(a), _metrics(b)
+    assert [r["step"] for r in ra] == [r["step"] for r in rb] == list(range(1, 21))
+    wa, wb = _weights(Path(a) / "export"), _weights(Path(b) / "export")
+    assert wa.keys() == wb.keys() and any(".U_l." in k for k in wa)
+    if exact:
+        assert [r["loss"] for r in ra] == [r["loss"] for r in rb]
+        assert [r["grad_norm"] for r in ra] == [r["grad_norm"] for r in rb]
+        assert [r["lr"] for r in ra] == [r["lr"] for r in rb]
+        for k in wa:
+            assert torch.equal(wa[k], wb[k]), k
+    else:
+        for x, y in zip(ra, rb):
+            assert x["loss"] == pytest.approx(y["loss"], abs=1e-4)
+        for k in wa:
+            torch.testing.assert_close(wa[k], wb[k], atol=1e-4, rtol=0, msg=k)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("parallel,placement,layers", [("tp2", "host", 3), ("pp2", "device", 4)])
+def test_resume_equals_straight_run(corpus, tmp_path, parallel, placement, layers):
+    """10 steps, stop, resume 10 steps == 20 straight steps: losses, grad norms, LR and every weight
+    (host-resident tables and their Adam state included) bitwise on CPU."""
+    common = [f"stem.placement={placement}", f"model.num_layers={layers}", "checkpoint.save_interval=5",
+              "checkpoint.export=${out_dir}/export"]
+    _train(corpus, tmp_path / "straight", *common, parallel=parallel)
+    _train(corpus, tmp_path / "resumed", *common, "train.exit_after_steps=10", parallel=parallel)
+    ckpts = tmp_path / "resumed" / "checkpoints"
+    assert (ckpts / "latest").read_text().strip() == "step_000010"
+    assert [p.name for p in atomic.complete_checkpoints(ckpts)] == ["step_000005", "step_000010"]
+    assert not (tmp_path / "resumed" / "export").exists()  # the run is not finished yet
+    second = _train(corpus, tmp_path / "resumed", *common, parallel=parallel)
+    assert "resumed from" in second.stdout and "after step 10" in second.stdout
+    _assert_same_run(tmp_path / "straight", tmp_path / "resumed")
+    assert [p.name for p in atomic.complete_checkpoints(ckpts)] == ["step_000015", "step_000020"]  # keep=2
+
+
+@pytest.mark.slow
+def test_resume_with_a_different_dp_size(corpus, tmp_path):
+    """A DP=2 run (distributed optimizer) resumed on one process continues the same trajectory."""
+    common = ["stem.placement=host", "checkpoint.export=${out_dir}/export"]
+    _train(corpus, tmp_path / "straight", *common, parallel="dp2")
+    _train(corpus, tmp_path / "resumed", *common, "train.exit_after_steps=10", parallel="dp2")
+    _train(corpus, tmp_path / "resumed", *common, nproc=1, parallel="single")
+    _assert_same_run(tmp_path / "straight", tmp_path / "resumed", exact=False)
+
+
+_KILLED_SAVE = """
+import os, signal
+from stem_megatron.checkpoint import host_tables
+from stem_megatron import train
+
+def killed(store, directory):  # dense state written, tables not: die mid-save
+    if "step_000010" in str(directory):
+        os.kill(os.getpid(), signal.SIGKILL)
+    real(store, directory)
+
+real, host_tables.save = host_tables.save, killed
+if __name__ == "__main__":  # megatron's checkpoint writer starts worker processes
+    train.main()
+"""
+
+
+@pytest.mark.slow
+def test_run_killed_mid_save_leaves_previous_checkpoint_loadable(corpus, tmp_path):
+    script = tmp_path / "killed_save.py"
+    script.write_text(_KILLED_SAVE)
+    out = tmp_path / "run"
+    args = ["parallel=single", "stem.placement=host", "checkpoint.save_interval=5", "model.num_layers=3",
+            "model.seq_length=32", f"model.vocab_size={VOCAB}", f"data.vocab_size={VOCAB}", f"data.dir={corpus}",
+            f"out_dir={out}", "train.steps=12", "train.micro_batch_size=2", "train.global_batch_size=2"]
+    log = tmp_path / "killed.log"
+    with open(log, "w") as out_file:  # files, not pipes: megatron's writer leaves a helper process
+        proc = subprocess.Popen([sys.executable, str(script), *args], stdout=out_file, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        try:
+            returncode = proc.wait(timeout=600)
+        finally:  # what a job scheduler does after a kill: end the whole process group
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+    assert returncode == -signal.SIGKILL, log.read_text()[-3000:]
+    ckpts = out / "checkpoints"
+    assert (ckpts / ".tmp-step_000010" / "dense").is_dir()  # the killed save got that far
+    assert (ckpts / "latest").read_text().strip() == "step_000005"
+    resumed = subprocess.run([sys.executable, "-m", "stem_megatron.train", *args], capture_output=True,
+                             text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "after step 5" in resumed.stdout
+    assert [r["step"] for r in _metrics(out)] == list(range(1, 13))  # the killed attempt's 6..10 replaced
+    assert (ckpts / "latest").read_text().strip() == "step_000012"
+    assert not (ckpts / ".tmp-step_000010").exists()  # leftovers are not kept around
+
+
+def _damage(checkpoint: Path, how: str) -> str:
+    victim = next(p for p in sorted(checkpoint.rglob("*")) if p.is_file() and p.suffix == ".distcp")
+    data = victim.read_bytes()
+    if how == "truncate":
+        victim.write_bytes(data[: len(data) // 2])
+        return "truncated"
+    victim.write_bytes(data[:100] + bytes([data[100] ^ 0xFF]) + data[101:])
+    return "CRC32"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["truncate", "flip"])
+def test_damaged_checkpoint_is_reported_and_not_loaded(corpus, tmp_path, how):
+    out = tmp_path / "run"
+    common = ["stem.placement=host", "model.num_layers=2"]
+    _train(corpus, out, *common, nproc=1, parallel="single", steps=3)
+    expected = _damage(out / "checkpoints" / "step_000003", how)
+    proc = _train(corpus, out, *common, nproc=1, parallel="single", steps=6, check=False)
+    assert proc.returncode != 0
+    assert f"checkpoint {out / 'checkpoints' / 'step_000003'} is damaged" in proc.stderr
+    assert expected in proc.stderr and ".distcp" in proc.stderr
+    assert (out / "checkpoints" / "step_000003").is_dir()  # nothing saved is deleted
+
+
+def _resolve_cases(root):
+    assert atomic.resolve(root) is None  # fresh run
+    (root / "step_000004").mkdir(parents=True)
+    (root / "step_000004" / atomic.MANIFEST).write_text("{}")
+    with pytest.raises(CheckpointError, match="no 'latest' marker"):
+        atomic.resolve(root)
+    (root / "latest").write_text("step_000008\n")
+    with pytest.raises(CheckpointError, match="names step_000008, which is missing"):
+        atomic.resolve(root)
+    (root / "latest").write_text("step_000004\n")
+    assert atomic.resolve(root) == root / "step_000004"
+    with pytest.raises(CheckpointError, match="manifest.json is unreadable"):
+        atomic.verify(root / "step_000004")
+    return True
+
+
+def test_latest_marker_resolution_and_errors(tmp_path):
+    assert distributed.run(_resolve_cases, 1, tmp_path / "ckpts") == [True]
+
+
+def test_missing_load_path_fails_validation(tmp_path):
+    from stem_megatron.config import CheckpointConfig, ConfigError, RunConfig, validate
+
+    cfg = RunConfig(checkpoint=CheckpointConfig(load=str(tmp_path / "nope")))
+    with pytest.raises(ConfigError, match="checkpoint.load: .*nope does not exist"):
+        validate(cfg, 1)
+
+
+def test_metrics_of_a_resumed_run_continue_and_a_fresh_run_starts_a_new_file(tmp_path):
+    from stem_megatron.training.metrics import MetricsWriter
+
+    def write(steps, resume_step=0):
+        writer = MetricsWriter(tmp_path, True, 9, resume_step=resume_step)
+        for step in steps:
+            writer.log({"step": step, "loss": 1.0, "lr": 0.1, "grad_norm": 1.0, "tokens_per_s": 1.0})
+        writer.close()
+
+    write(range(1, 8))  # killed after step 7, checkpoint at step 5
+    write(range(6, 10), resume_step=5)
+    assert [r["step"] for r in _metrics(tmp_path)] == list(range(1, 10))
+    write(range(1, 3))  # a new run in the same directory
+    assert [r["step"] for r in _metrics(tmp_path)] == [1, 2]
+    assert [json.loads(line)["step"] for line in (tmp_path / "metrics.1.jsonl").read_text().splitlines()] == list(
+        range(1, 10))
