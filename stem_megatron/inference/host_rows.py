@@ -1,0 +1,143 @@
+"""Host-resident STEM tables at decode time: one process, rows fetched per step for the unique ids only.
+
+An export holds every ``U_l`` as a full V x d_ff matrix. ``HostRowTables`` keeps them in host memory
+(plain CPU tensors) and, for each forward, gathers only the rows of the step's distinct token ids
+(``B_uniq x d_ff`` per STEM layer; one decode step of a batch of B sequences feeds B tokens) and hands
+them to the compute device (``stem.transfer.HostToDevice``: on GPU the gathered rows go through a
+pinned buffer and a side stream; on CPU there is nothing to copy), serving the hottest rows from an
+optional device cache (``stem.cache.HotRowCache``).
+
+The STEM layers receive the rows through the training path's mechanism: the forward is wrapped in
+``token_context.token_ids(tokens, V, prefetched)`` with a ``stem.prefetch.PrefetchedRows(uniq,
+inverse, fetched)``, and the layer's row source is the training-time ``stem.row_source.HostRowSource``,
+selected by the layer spec (``host_rows_spec``) and given this object as its store. Under
+``torch.no_grad`` that module only reads ``fetched.rows[layer]`` and expands them with ``inverse``;
+it never calls ``register`` (inference has no row gradients).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Mapping, Optional
+
+import torch
+from megatron.core.models.gpt import GPTModel
+from megatron.core.transformer.spec_utils import ModuleSpec
+
+from stem_megatron.config import RunConfig
+from stem_megatron.data.batches import check_token_ids
+from stem_megatron.inference.single_process import ensure_single_process_state, single_process_config
+from stem_megatron.model.gpt import build_gpt, transformer_config
+from stem_megatron.stem.cache import HotRowCache
+from stem_megatron.stem.prefetch import PrefetchedRows
+from stem_megatron.stem.row_source import HostRowSource
+from stem_megatron.stem.transfer import Fetched, HostToDevice
+
+TABLE_NAME = re.compile(r"^decoder\.layers\.(\d+)\.mlp\.U_l\.weight$")
+
+
+def split_tables(weights: Mapping[str, torch.Tensor]) -> tuple[dict[int, torch.Tensor], dict[str, torch.Tensor]]:
+    """``({global 1-based layer number: U_l}, the other weights)`` of an export's weights."""
+    tables, rest = {}, {}
+    for name, tensor in weights.items():
+        match = TABLE_NAME.match(name)
+        if match:
+            tables[int(match.group(1)) + 1] = tensor
+        else:
+            rest[name] = tensor
+    return tables, rest
+
+
+class HostRowTables:
+    """The STEM tables of one model in host memory, serving ``U_l[uniq]`` per forward.
+
+    ``tables``: ``{global 1-based layer number: V x d_ff tensor}``. ``cache_rows``: rows per table
+    kept on ``device`` (the most frequent ids seen so far; 0 disables the cache). The tables never
+    change at inference, so cached rows are only re-chosen (every ``refresh_every`` steps), never
+    re-read. Counters of every fetch are appended to ``fetches``.
+    """
+
+    def __init__(self, tables: Mapping[int, torch.Tensor], device: Optional[torch.device] = None,
+                 cache_rows: int = 0, refresh_every: int = 50):
+        if not tables:
+            raise ValueError("no STEM tables: host-resident rows need a STEM model (stem, stem_dagger, stem_gate)")
+        shapes = {tuple(t.shape) for t in tables.values()}
+        if len(shapes) != 1 or len(next(iter(shapes))) != 2:
+            raise ValueError(f"STEM tables must all be V x d_ff matrices, got shapes {sorted(shapes)}")
+        if refresh_every < 2:
+            raise ValueError(f"refresh_every={refresh_every} must be >= 2 (HotRowCache re-chooses at step % n == 1)")
+        self.layers = sorted(tables)
+        self.vocab_size, self.d_ff = next(iter(shapes))
+        self.device = torch.device(device or "cpu")
+        self.tables = {layer: tables[layer].detach().to("cpu").contiguous() for layer in self.layers}
+        self.cache = HotRowCache(cache_rows, self.vocab_size, self.device, refresh_every)
+        self.h2d = HostToDevice(self.device)
+        self.fetches: list[dict] = []
+
+    @property
+    def host_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tables.values())
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one row of one table."""
+        return self.d_ff * next(iter(self.tables.values())).element_size()
+
+    def fetch(self, tokens: torch.Tensor) -> PrefetchedRows:
+        """The rows a forward over ``tokens`` ([b, s]) needs: ``U_l[unique ids]`` of every STEM layer.
+
+        Cached ids are read from the device cache, the others gathered from host memory and copied
+        to the device (pinned buffer + side stream on GPU, nothing to copy on CPU).
+        """
+        check_token_ids(tokens, self.vocab_size)  # before any row lookup
+        uniq, inverse, counts = torch.unique(tokens.cpu(), return_inverse=True, return_counts=True)
+        self.cache.observe(uniq, counts)
+        hit, pos = self.cache.split(uniq)
+        miss = uniq[~hit]
+        rows, gathered = {}, 0
+        with self.h2d.stream():
+            hit_d = hit.to(self.device, non_blocking=True)
+            for layer in self.layers:
+                host = self.tables[layer].index_select(0, miss)
+                gathered += host.shape[0]
+                fetched = self.h2d.copy(host)
+                if hit.any():
+                    out = torch.empty(uniq.numel(), self.d_ff, dtype=host.dtype, device=self.device)
+                    out[hit_d] = self.cache.rows[layer][pos.to(self.device)]
+                    out[~hit_d] = fetched
+                    fetched = out
+                rows[layer] = fetched
+            ready = self.h2d.record()
+        hits = int(hit.sum())
+        stats = {"tokens": tokens.numel(), "unique_tokens": uniq.numel(),
+                 "rows_from_host": gathered // len(self.layers),  # per STEM layer (same ids for each)
+                 "rows_from_cache": hits,
+                 "bytes_to_device": gathered * self.row_bytes}
+        self.fetches.append(stats)
+        return PrefetchedRows(uniq, inverse.to(self.device, non_blocking=True), Fetched(rows, ready, stats))
+
+    def refresh_cache(self, step: int) -> None:
+        """After forward ``step`` (1-based): re-choose the cached rows from the counts when due."""
+        self.cache.refresh(step, self.tables, {layer: torch.empty(0, dtype=torch.int64) for layer in self.layers})
+
+    def register(self, layer: int, uniq: torch.Tensor, rows: torch.Tensor) -> None:
+        raise RuntimeError("HostRowTables serve inference only: run the model under torch.no_grad() "
+                           "(training uses stem.store.HostTableStore, which keeps row gradients)")
+
+
+def host_rows_spec(tables: HostRowTables) -> ModuleSpec:
+    """The layer spec's row source: the training path's ``HostRowSource`` reading from ``tables``."""
+    return ModuleSpec(module=HostRowSource, params={"store": tables})
+
+
+def build_host_rows_model(cfg: RunConfig, tables: HostRowTables) -> GPTModel:
+    """The export's single-process model with STEM rows served by ``tables`` (no ``U_l`` parameters).
+
+    Same layout as ``single_process.build_single_process_model`` (TP=PP=EP=1, local modules, fp32);
+    its parameters are the export's weights minus the tables.
+    """
+    cfg = single_process_config(cfg)
+    ensure_single_process_state(cfg.train.seed)
+    config = transformer_config(cfg.model, cfg.parallel, on_gpu=False, use_cpu_initialization=True, stem=cfg.stem)
+    return build_gpt(cfg.model, cfg.stem, config, row_source=host_rows_spec(tables), use_te=False,
+                     pre_process=True, post_process=True)
