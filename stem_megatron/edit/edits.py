@@ -34,7 +34,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Mapping, Optional, Sequence, Union
 
-import numpy as np
 import torch
 
 from stem_megatron.edit.lengths import RowPlan, plan_rows
@@ -249,7 +248,8 @@ def _mix(table: torch.Tensor, mix: Mapping[int, float]) -> torch.Tensor:
     return sum(w * table[i].to(torch.float64) for i, w in items).to(table.dtype)
 
 
-def _reverse(assignments: list[tuple[int, dict[int, float]]], exclude=frozenset()) -> list[tuple[int, dict[int, float]]]:
+def _reverse(assignments: list[tuple[int, dict[int, float]]],
+             exclude=frozenset()) -> list[tuple[int, dict[int, float]]]:
     best: dict[int, tuple[float, int]] = {}
     for dst, mix in assignments:
         for src, w in mix.items():
