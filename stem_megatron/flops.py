@@ -276,6 +276,17 @@ class Variant:
 DENSE = Variant("dense", "0")
 
 
+def variant_from_stem_config(stem: Any) -> Variant:
+    """The ``Variant`` of a ``STEMConfig`` (or its dict from config.json)."""
+    get = (lambda k, d=None: stem.get(k, d)) if isinstance(stem, Mapping) else (lambda k, d=None: getattr(stem, k, d))
+    if get("variant", "dense") == "dense":
+        return DENSE
+    layers = get("layers")
+    return Variant(variant=get("variant"), ratio=str(get("ratio", "1/3")),
+                   layers=tuple(layers) if layers is not None else None, num_experts=get("num_experts", 16),
+                   expert_ffn_hidden_size=get("expert_ffn_hidden_size"))
+
+
 def parse_variant(text: str) -> Variant:
     """``dense``, ``stem``, ``stem-1/3``, ``stem_dagger-full``, ``stem-all``, or a recipes/variant name
     (``stem_1_3``, ``hash_moe``, ...)."""

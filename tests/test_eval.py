@@ -312,6 +312,17 @@ def test_niah_scorer(tokenizer_and_haystack):
     assert [r["predicted"] for r in results["cases"][2:4]] == [None, None]
 
 
+def test_held_out_accuracy_equals_an_independent_argmax(export_dir, corpus):
+    from stem_megatron.eval.perplexity import held_out_perplexity, token_windows
+    from stem_megatron.inference.model import InferenceModel
+
+    model = InferenceModel(export_dir, device="cpu")
+    got = held_out_perplexity(model, corpus / "valid", batch_size=3, max_windows=5)
+    windows = torch.from_numpy(np.stack(list(token_windows(corpus / "valid", model.seq_length))[:5]))
+    logits = model.logits(windows[:, :-1])
+    assert got["accuracy"] == pytest.approx(float((logits.argmax(-1) == windows[:, 1:]).float().mean()), abs=0)
+
+
 # --------------------------------------------------------------------------------------- (e) CLI
 @pytest.mark.slow
 def test_stem_eval_cli_end_to_end(export_dir, corpus, tmp_path):

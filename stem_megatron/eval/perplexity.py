@@ -35,13 +35,15 @@ def token_windows(prefix, seq_length: int) -> Iterator[np.ndarray]:
 
 @torch.no_grad()
 def held_out_perplexity(model, prefix, batch_size: int = 8, max_windows: Optional[int] = None) -> dict:
-    """Mean next-token NLL and perplexity of ``model`` (an ``InferenceModel``) over ``prefix``'s windows."""
-    total_nll, windows, batch = 0.0, 0, []
+    """Mean next-token NLL, perplexity and top-1 accuracy of ``model`` (an ``InferenceModel``) over
+    ``prefix``'s windows."""
+    total_nll, correct, windows, batch = 0.0, 0, 0, []
 
-    def score(rows: list[np.ndarray]) -> float:
+    def score(rows: list[np.ndarray]) -> tuple[float, int]:
         x = torch.from_numpy(np.stack(rows))
-        logits = model.logits(x[:, :-1])
-        return float(F.cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten().to(logits.device), reduction="sum"))
+        logits = model.logits(x[:, :-1]).flatten(0, 1)
+        targets = x[:, 1:].flatten().to(logits.device)
+        return float(F.cross_entropy(logits, targets, reduction="sum")), int((logits.argmax(-1) == targets).sum())
 
     for window in token_windows(prefix, model.seq_length):
         if max_windows is not None and windows == max_windows:
@@ -49,11 +51,13 @@ def held_out_perplexity(model, prefix, batch_size: int = 8, max_windows: Optiona
         batch.append(window)
         windows += 1
         if len(batch) == batch_size:
-            total_nll, batch = total_nll + score(batch), []
+            nll, hits = score(batch)
+            total_nll, correct, batch = total_nll + nll, correct + hits, []
     if batch:
-        total_nll += score(batch)
+        nll, hits = score(batch)
+        total_nll, correct = total_nll + nll, correct + hits
     if windows == 0:
         raise ValueError(f"{prefix} has fewer than seq_length + 1 = {model.seq_length + 1} tokens: nothing to score")
     tokens = windows * model.seq_length
     return {"data": str(prefix), "windows": windows, "tokens": tokens, "nll": total_nll / tokens,
-            "ppl": math.exp(total_nll / tokens)}
+            "ppl": math.exp(total_nll / tokens), "accuracy": correct / tokens}

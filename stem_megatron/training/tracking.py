@@ -42,13 +42,6 @@ PEAK_BF16_TFLOPS: tuple[tuple[str, float], ...] = (
 )
 
 
-def _get(obj: Any, name: str, default: Any = None) -> Any:
-    """Field of a config dataclass or of its ``dataclasses.asdict`` / config.json dict."""
-    if isinstance(obj, Mapping):
-        return obj.get(name, default)
-    return getattr(obj, name, default)
-
-
 def model_flops_per_token(model: Any, stem: Any = None) -> int:
     """Training (forward + backward = 3x forward) matmul FLOPs per token of the whole model, from
     ``stem_megatron.flops``' exact count (GQA-aware, attention over the full sequence, LM head; equal
@@ -57,13 +50,7 @@ def model_flops_per_token(model: Any, stem: Any = None) -> int:
     from stem_megatron import flops
 
     arch = flops.arch_from_model_config(_as_dict(model))
-    variant = flops.DENSE
-    if stem is not None and _get(stem, "variant", "dense") != "dense":
-        layers = _get(stem, "layers")
-        variant = flops.Variant(variant=_get(stem, "variant"), ratio=str(_get(stem, "ratio", "1/3")),
-                                layers=tuple(layers) if layers is not None else None,
-                                num_experts=_get(stem, "num_experts", 16),
-                                expert_ffn_hidden_size=_get(stem, "expert_ffn_hidden_size"))
+    variant = flops.DENSE if stem is None else flops.variant_from_stem_config(stem)
     seq = arch.seq_length
     return flops.training_flops(arch, seq, variant)["total"] // seq
 
