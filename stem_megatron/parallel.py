@@ -28,6 +28,15 @@ def single_process_env() -> None:
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
 
 
+RENDEZVOUS_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    """This process' environment for a child that starts its own world: without the rendezvous variables
+    ``single_process_env`` set here (the child would otherwise try to join, or bind, this process' port)."""
+    return {k: v for k, v in os.environ.items() if k not in RENDEZVOUS_VARS} | extra
+
+
 def on_gpu() -> bool:
     return torch.cuda.is_available()
 
