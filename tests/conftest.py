@@ -30,3 +30,14 @@ def corpus(source_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("corpus")
     prepare_corpus(out, vocab_size=VOCAB, valid_fraction=0.2, source_dir=source_dir)
     return out
+
+
+@pytest.fixture(autouse=True)
+def _own_rendezvous_env(monkeypatch):
+    """A test that loads a model in the pytest process starts a world of one there, which sets MASTER_PORT and
+    friends in os.environ; they are restored after each test so later tests' child processes (stem-eval,
+    stem-flops, training jobs) start their own world instead of binding this process' port."""
+    from stem_megatron.parallel import RENDEZVOUS_VARS
+
+    for key in RENDEZVOUS_VARS:
+        monkeypatch.delenv(key, raising=False)
