@@ -50,17 +50,18 @@ def load_runs(out: Path, variants: Sequence[str], seeds: Sequence[int]) -> dict[
             config = json.loads((run_dir / "config.json").read_text())
             valid = [r for r in records if "valid_loss" in r]
             timed = [r for r in records if r["step"] > WARMUP_STEPS] or records
+            tokens_per_step = config["train"]["global_batch_size"] * config["model"]["seq_length"]
+            spike_steps = [r["step"] for r in records if r.get("loss_spike")]
+            burn_in = len(records) // 10
             runs.setdefault(variant, []).append({
                 **ev, "seed": seed, "config": config,
                 "steps": [r["step"] for r in records], "loss": [r["loss"] for r in records],
-                "spike_steps": [r["step"] for r in records if r.get("loss_spike")],
+                "spike_steps": spike_steps,
                 "valid_tokens_seen": [r["tokens"] for r in valid], "valid_loss": [r["valid_loss"] for r in valid],
                 "final_valid_loss": valid[-1]["valid_loss"],
-                "spikes": sum(1 for r in records if r.get("loss_spike") and r["step"] > len(records) // 10),
-                "early_spikes": sorted({r["step"] for r in records if r.get("loss_spike")
-                                        and r["step"] <= len(records) // 10}),
-                "s_per_mtok": 1e6 * sum(r["step_time_s"] for r in timed) / sum(
-                    r["tokens_per_s"] * r["step_time_s"] for r in timed),
+                "spikes": sum(step > burn_in for step in spike_steps),
+                "early_spikes": [step for step in spike_steps if step <= burn_in],
+                "s_per_mtok": 1e6 * sum(r["step_time_s"] for r in timed) / (len(timed) * tokens_per_step),
             })
     return runs
 
@@ -90,7 +91,7 @@ def aggregate(runs: dict[str, list[dict]]) -> dict[str, dict]:
     table = {}
     for variant, rs in runs.items():
         table[variant] = {key: summary([r[key] for r in rs]) for key in (
-            "final_valid_loss", "valid_nll", "valid_accuracy", "fact_recall", "edit_success", "edit_flips",
+            "final_valid_loss", "valid_accuracy", "fact_recall", "edit_success", "edit_flips",
             "edit_stays", "spikes",
             "s_per_mtok", "train_flops")}
         table[variant].update(config=rs[0]["config"], fact_majority=rs[0]["fact_majority"],
