@@ -36,7 +36,7 @@ from stem_megatron.config import ModelConfig, ParallelConfig, RunConfig, STEMCon
 from stem_megatron.model.gpt import transformer_config
 from stem_megatron.model.specs import stem_mlp_spec
 from stem_megatron.model.token_context import token_ids
-from stem_megatron.training.loop import setup_model
+from stem_megatron.training.setup import setup_model
 from stem_megatron.training.step import forward_backward
 
 MODEL = ModelConfig(name="bench", num_layers=6, hidden_size=256, ffn_hidden_size=768, num_attention_heads=4,

@@ -210,8 +210,8 @@ def _bench(cfgs: dict, rounds: int, warmup: int, corpus: str) -> dict:
     from megatron.core import parallel_state
 
     from stem_megatron.model.hash_moe import take_moe_stats
-    from stem_megatron.stem.prefetch import RowPrefetcher
-    from stem_megatron.training.loop import setup_model
+    from stem_megatron.host_tables.prefetch import RowPrefetcher
+    from stem_megatron.training.setup import setup_model
     from stem_megatron.training.step import train_step
 
     tally = CollectiveTally()
@@ -223,7 +223,7 @@ def _bench(cfgs: dict, rounds: int, warmup: int, corpus: str) -> dict:
         samples = next(iter(cfgs.values())).train.steps * GLOBAL_BATCH
         data[name] = _batches(Path(corpus), dp_rank, dp, n_micro, samples)  # the same batches for every variant
         if trainer.store is not None:
-            data[name] = RowPrefetcher(data[name], trainer.store, n_micro, MODEL.vocab_size)
+            data[name] = RowPrefetcher(data[name], trainer.store, n_micro)
     out = {name: {"static": _static(t), "times": [], "stem_sync_bytes": [], "stem_bytes_to_device": [],
                   "moe_all_to_all_bytes": [], "loss": []} for name, t in trainers.items()}
     names = list(trainers)

@@ -31,7 +31,7 @@ import torch
 
 from stem_megatron import parallel
 from stem_megatron.config import ModelConfig, RunConfig, STEMConfig, TrainConfig
-from stem_megatron.stem.row_adam import RowAdam
+from stem_megatron.host_tables.row_adam import RowAdam
 
 ROUNDS = 7
 
@@ -119,8 +119,8 @@ def adam_costs(memcpy_GBps: float, vocab=32000, cols=2560, unique=7000) -> dict:
 
 def step_time(steps: int = 12) -> dict:
     """One process: the same model with U_l on the device vs in the host store, steps interleaved."""
-    from stem_megatron.stem.prefetch import RowPrefetcher
-    from stem_megatron.training.loop import setup_model
+    from stem_megatron.host_tables.prefetch import RowPrefetcher
+    from stem_megatron.training.setup import setup_model
     from stem_megatron.training.step import train_step
 
     model = ModelConfig(num_layers=6, hidden_size=256, ffn_hidden_size=768, num_attention_heads=4,
@@ -135,7 +135,7 @@ def step_time(steps: int = 12) -> dict:
             s = torch.randint(0, model.vocab_size, (8, model.seq_length + 1), generator=g)
             yield {"tokens": s[:, :-1], "labels": s[:, 1:]}
 
-    data = {"device": batches(), "host": RowPrefetcher(batches(), trainers["host"].store, 2, model.vocab_size)}
+    data = {"device": batches(), "host": RowPrefetcher(batches(), trainers["host"].store, 2)}
     fns = {p: (lambda p=p: train_step(trainers[p], data[p], 2, 8, model.seq_length, model.vocab_size))
            for p in trainers}
     t = side_by_side(fns, rounds=steps)

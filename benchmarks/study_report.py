@@ -25,7 +25,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from stem_megatron.model.layer_plan import stem_layer_indices  # noqa: E402
+from stem_megatron.layer_plan import stem_layer_indices  # noqa: E402
 
 # recipes/variant name -> label used in the paper's Table 3
 VARIANTS = {"dense": "dense", "stem_1_3": "STEM-1/3", "stem_1_2": "STEM-1/2", "stem_full": "STEM-full",

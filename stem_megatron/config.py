@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 
 from stem_megatron.data.integrity import check_indexed_dataset
-from stem_megatron.model.layer_plan import RATIOS, VARIANTS, stem_layer_indices
+from stem_megatron.layer_plan import RATIOS, VARIANTS, stem_layer_indices
 
 
 class ConfigError(ValueError):
@@ -157,6 +157,12 @@ class RunConfig:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     out_dir: str = "runs/default"
+
+
+def to_run_config(cfg) -> RunConfig:
+    """The typed ``RunConfig`` of a Hydra/OmegaConf config or a ``dataclasses.asdict`` dict (unknown keys
+    and wrong types fail)."""
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(RunConfig), cfg))
 
 
 def _check(ok: bool, field_name: str, message: str) -> None:

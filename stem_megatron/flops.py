@@ -44,7 +44,7 @@ from typing import Any
 
 import yaml
 
-from stem_megatron.model.layer_plan import RATIOS, VARIANTS, stem_layer_indices
+from stem_megatron.layer_plan import RATIOS, VARIANTS, stem_layer_indices
 
 REPO = Path(__file__).resolve().parents[1]
 PRESET_DIRS = (REPO / "recipes" / "flops", REPO / "recipes" / "model")

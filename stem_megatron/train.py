@@ -12,16 +12,12 @@ import hydra
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
-from stem_megatron.config import RunConfig
+from stem_megatron.config import RunConfig, to_run_config
 
 RECIPES = str(Path(__file__).resolve().parent.parent / "recipes")
 
 ConfigStore.instance().store(name="run_schema", node=RunConfig)
 OmegaConf.register_new_resolver("slug", lambda value: str(value).replace("/", "_"), replace=True)  # paths
-
-
-def to_run_config(cfg: DictConfig) -> RunConfig:
-    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(RunConfig), cfg))
 
 
 @hydra.main(version_base=None, config_path=RECIPES, config_name="train")

@@ -38,8 +38,8 @@ def _config(corpus, variant) -> RunConfig:
 
 def _write_exports(corpus, out):
     """A STEM (ratio full: layers 1, 2) and a dense tiny export, random weights perturbed as in test_generate."""
-    from stem_megatron.inference.export_format import write_export
-    from stem_megatron.inference.single_process import build_single_process_model
+    from stem_megatron.export.format import write_export
+    from stem_megatron.export.single_process import build_single_process_model
 
     for variant in ("stem", "dense"):
         cfg = _config(corpus, variant)

@@ -184,7 +184,7 @@ def test_missing_load_path_fails_validation(tmp_path):
 
 
 def test_metrics_of_a_resumed_run_continue_and_a_fresh_run_starts_a_new_file(tmp_path):
-    from stem_megatron.training.metrics import MetricsWriter
+    from stem_megatron.training.metrics_file import MetricsWriter
 
     def write(steps, resume_step=0):
         writer = MetricsWriter(tmp_path, True, 9, resume_step=resume_step)

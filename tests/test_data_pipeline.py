@@ -190,7 +190,8 @@ def _cross_document_logits(corpus):
     from megatron.core.transformer.enums import AttnMaskType
 
     from stem_megatron.config import ModelConfig, ParallelConfig, STEMConfig
-    from stem_megatron.model.gpt import build_gpt, planned_stem_layers, transformer_config
+    from stem_megatron.layer_plan import planned_layers
+    from stem_megatron.model.gpt import build_gpt, transformer_config
     from stem_megatron.model.specs import decoder_block_spec, device_rows, stem_mlp_spec
     from stem_megatron.model.token_context import token_ids
 
@@ -212,7 +213,7 @@ def _cross_document_logits(corpus):
     stem = STEMConfig(variant="stem", ratio="1/2", placement="device")
     config = transformer_config(model_cfg, ParallelConfig(), on_gpu=False)
     causal = build_gpt(model_cfg, stem, config).eval()
-    spec = decoder_block_spec(config, planned_stem_layers(model_cfg, stem),
+    spec = decoder_block_spec(config, planned_layers(model_cfg.num_layers, stem),
                               stem_mlp_spec("stem", VOCAB, device_rows()), attn_mask_type=AttnMaskType.arbitrary)
     arbitrary = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=VOCAB, max_sequence_length=seq,
                          share_embeddings_and_output_weights=False, position_embedding_type="rope").eval()
@@ -331,7 +332,8 @@ def test_data_config_validation(corpus):
 def test_data_recipes_compose():
     from hydra import compose, initialize_config_dir
 
-    from stem_megatron.train import RECIPES, to_run_config
+    from stem_megatron.config import to_run_config
+    from stem_megatron.train import RECIPES
 
     with initialize_config_dir(config_dir=RECIPES, version_base=None):
         default = to_run_config(compose("train"))

@@ -32,8 +32,8 @@ def _config(corpus) -> RunConfig:
 
 def _write_tiny_export(corpus, out):
     """The single-process model's initial weights, perturbed so no layer is trivial."""
-    from stem_megatron.inference.export_format import write_export
-    from stem_megatron.inference.single_process import build_single_process_model
+    from stem_megatron.export.format import write_export
+    from stem_megatron.export.single_process import build_single_process_model
 
     cfg = _config(corpus)
     g = torch.Generator().manual_seed(0)
@@ -150,7 +150,7 @@ def test_length_strategies(strategy):
 # ------------------------------------------------------------------------------ the model (spawned)
 def _model_checks(corpus, out_dir):
     from stem_megatron.edit.cli import knowledge_edit, main
-    from stem_megatron.inference.export_format import read_export
+    from stem_megatron.export.format import read_export
     from stem_megatron.inference.generate import GenerationModel
     from stem_megatron.inference.model import InferenceModel
     from stem_megatron.model.token_context import token_ids

@@ -39,7 +39,7 @@ def _config(corpus, **stem) -> RunConfig:
 
 def _random_weights(cfg):
     """The single-process model's freshly initialised weights, perturbed so no layer is trivial."""
-    from stem_megatron.inference.single_process import build_single_process_model
+    from stem_megatron.export.single_process import build_single_process_model
 
     g = torch.Generator().manual_seed(0)
     return {n: p.detach() + 0.02 * torch.randn(p.shape, generator=g)
@@ -47,7 +47,7 @@ def _random_weights(cfg):
 
 
 def _write_tiny_export(corpus, out):
-    from stem_megatron.inference.export_format import write_export
+    from stem_megatron.export.format import write_export
 
     cfg = _config(corpus)
     write_export(out, cfg, _random_weights(cfg))
@@ -70,7 +70,7 @@ def offline(monkeypatch, tmp_path):
 
 # ------------------------------------------------------------------------------------------ (a) format
 def _export_checks(corpus, export, tmp):
-    from stem_megatron.inference.export_format import FORMAT, ExportError, read_export, write_export
+    from stem_megatron.export.format import FORMAT, ExportError, read_export, write_export
     from stem_megatron.inference.model import InferenceModel
 
     cfg, weights, tokenizer = read_export(export)

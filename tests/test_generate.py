@@ -38,8 +38,8 @@ def _config(corpus) -> RunConfig:
 
 def _write_tiny_export(corpus, out):
     """The single-process model's initial weights, perturbed so no layer is trivial (as in test_eval)."""
-    from stem_megatron.inference.export_format import write_export
-    from stem_megatron.inference.single_process import build_single_process_model
+    from stem_megatron.export.format import write_export
+    from stem_megatron.export.single_process import build_single_process_model
 
     cfg = _config(corpus)
     g = torch.Generator().manual_seed(0)
@@ -127,7 +127,7 @@ def _generation_checks(export):
     assert results["full_cache"].summary["cache_hit_rate"] == 1.0
 
     # (e) the CLI's text output (the JSON form runs as a subprocess below)
-    from stem_megatron.inference.generate_cli import main
+    from stem_megatron.inference.cli import main
 
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
@@ -179,7 +179,7 @@ def test_byte_report_matches_hand_computation(export_dir):
 # ------------------------------------------------------------------------------------------ (e) CLI
 @pytest.mark.slow
 def test_stem_generate_cli_end_to_end(export_dir, tmp_path):
-    base = [sys.executable, "-m", "stem_megatron.inference.generate_cli", "--export", str(export_dir),
+    base = [sys.executable, "-m", "stem_megatron.inference.cli", "--export", str(export_dir),
             "--prompt", PROMPTS[0], "--prompt", PROMPTS[1], "--max-new-tokens", "5", "--cache-rows", "4"]
     proc = subprocess.run(base + ["--json", "--temperature", "0.8", "--top-p", "0.9", "--seed", "5"],
                           capture_output=True, text=True, timeout=300, cwd=tmp_path)
@@ -195,7 +195,7 @@ def test_stem_generate_cli_end_to_end(export_dir, tmp_path):
 
 
 def test_cli_rejects_bad_requests(capsys):
-    from stem_megatron.inference.generate_cli import parse_args
+    from stem_megatron.inference.cli import parse_args
 
     for argv, problem in ((["--export", "e", "--max-new-tokens", "4"], "either as --prompt"),
                           (["--export", "e", "--prompt", "a", "--prompt-ids", "1", "--max-new-tokens", "4"],

@@ -37,7 +37,7 @@ def _tokens_reaching_experts():
     from megatron.core import parallel_state
     from megatron.core.transformer.moe.moe_layer import MoELayer
 
-    from stem_megatron.training.loop import setup_model
+    from stem_megatron.training.setup import setup_model
     from stem_megatron.training.step import forward_backward
 
     model_cfg = ModelConfig(**{**MODEL.__dict__, "num_layers": 1})

@@ -51,8 +51,8 @@ def _host_vs_device(tp, pp):
     """20 steps with the host store (dense CPU Adam = AdamW on every row) vs the device table."""
     from megatron.core import parallel_state
 
-    from stem_megatron.stem.prefetch import RowPrefetcher
-    from stem_megatron.training.loop import setup_model
+    from stem_megatron.host_tables.prefetch import RowPrefetcher
+    from stem_megatron.training.setup import setup_model
     from stem_megatron.training.step import train_step
 
     dev, host = setup_model(_cfg(tp, pp, "device")), setup_model(_cfg(tp, pp, "host"))
@@ -65,7 +65,7 @@ def _host_vs_device(tp, pp):
     dp, dp_rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
     n_micro = GLOBAL // (MICRO * dp)
     dev_data = _data(dp_rank, dp)
-    host_data = RowPrefetcher(_data(dp_rank, dp), host.store, n_micro, MODEL.vocab_size)
+    host_data = RowPrefetcher(_data(dp_rank, dp), host.store, n_micro)
     errors = {"loss": 0.0, "grad_norm": 0.0}
     for _ in range(STEPS):
         a = train_step(dev, dev_data, n_micro, MICRO, MODEL.seq_length, MODEL.vocab_size)
@@ -103,8 +103,8 @@ def _lazy_untouched_rows():
     bit-identical afterwards, touched rows moved."""
     from megatron.core import parallel_state
 
-    from stem_megatron.stem.prefetch import RowPrefetcher
-    from stem_megatron.training.loop import setup_model
+    from stem_megatron.host_tables.prefetch import RowPrefetcher
+    from stem_megatron.training.setup import setup_model
     from stem_megatron.training.step import train_step
 
     trainer = setup_model(_cfg(1, 1, "host", optimizer="lazy", steps=2))
@@ -112,7 +112,7 @@ def _lazy_untouched_rows():
     n_micro = GLOBAL // (MICRO * dp)
     step2 = [b["tokens"].flatten() for r in range(dp) for b in list(_data(r, dp, steps=2))[n_micro:]]
     touched = torch.unique(torch.cat(step2))
-    data = RowPrefetcher(_data(dp_rank, dp, steps=2), trainer.store, n_micro, MODEL.vocab_size)
+    data = RowPrefetcher(_data(dp_rank, dp, steps=2), trainer.store, n_micro)
     train_step(trainer, data, n_micro, MICRO, MODEL.seq_length, MODEL.vocab_size)
     before = {layer: trainer.store.table(layer) for layer in trainer.store.layers}
     out = train_step(trainer, data, n_micro, MICRO, MODEL.seq_length, MODEL.vocab_size)
@@ -160,7 +160,7 @@ def _memory_per_node():
     """Both ranks (one node, DP=2) attach the same tables and read every page."""
     import torch.distributed as dist
 
-    from stem_megatron.stem.store import HostTableStore
+    from stem_megatron.host_tables.store import HostTableStore
 
     dist.barrier()
     shm0 = _shm_used()
@@ -194,12 +194,12 @@ def _failing_data():
 
 
 def _prefetch_errors():
-    from stem_megatron.stem.prefetch import RowPrefetcher
-    from stem_megatron.stem.store import HostTableStore
+    from stem_megatron.host_tables.prefetch import RowPrefetcher
+    from stem_megatron.host_tables.store import HostTableStore
 
     store = HostTableStore([1], vocab_size=16, d_ff=8, init_std=1.0, seed=0)
     out = {}
-    prefetcher = RowPrefetcher(_failing_data(), store, num_micro_batches=1, vocab_size=16)
+    prefetcher = RowPrefetcher(_failing_data(), store, num_micro_batches=1)
     next(prefetcher)
     try:
         next(prefetcher)
@@ -207,11 +207,11 @@ def _prefetch_errors():
         out["cause"] = (type(e.__cause__).__name__, str(e.__cause__))
     prefetcher.close()
 
-    fetches = []
-    original = store.fetch
-    store.fetch = lambda *a: fetches.append(a) or original(*a)
+    fetches = []  # the ids' first use after the range check (transfer.fetch_rows)
+    original = store.cache.observe
+    store.cache.observe = lambda *a: fetches.append(a) or original(*a)
     bad = iter([{"tokens": torch.tensor([[1, 16]]), "labels": torch.tensor([[1, 2]])}])
-    prefetcher = RowPrefetcher(bad, store, num_micro_batches=1, vocab_size=16)
+    prefetcher = RowPrefetcher(bad, store, num_micro_batches=1)
     try:
         next(prefetcher)
     except RuntimeError as e:
@@ -233,8 +233,8 @@ def _cache_is_transparent():
     """The same lazy training with and without a hot-row cache: identical losses and tables."""
     from megatron.core import parallel_state
 
-    from stem_megatron.stem.prefetch import RowPrefetcher
-    from stem_megatron.training.loop import setup_model
+    from stem_megatron.host_tables.prefetch import RowPrefetcher
+    from stem_megatron.training.setup import setup_model
     from stem_megatron.training.step import train_step
 
     dp, dp_rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
@@ -245,7 +245,7 @@ def _cache_is_transparent():
         torch.manual_seed(0)  # the same initial dense weights for both models
         trainer = setup_model(cfg)
         trainer.store.cache.refresh_every = 2  # re-choose the hot rows during the run too
-        data = RowPrefetcher(_data(dp_rank, dp, steps=6), trainer.store, n_micro, MODEL.vocab_size)
+        data = RowPrefetcher(_data(dp_rank, dp, steps=6), trainer.store, n_micro)
         losses, hit_rates = [], []
         for _ in range(6):
             losses.append(train_step(trainer, data, n_micro, MICRO, MODEL.seq_length, MODEL.vocab_size)["loss"])

@@ -40,7 +40,7 @@ def _train(variant, tp, pp, ep, dist_opt, ref=None):
     """
     from megatron.core import parallel_state
 
-    from stem_megatron.training.loop import setup_model
+    from stem_megatron.training.setup import setup_model
     from stem_megatron.training.step import train_step
 
     cfg = RunConfig(model=MODEL, stem=VARIANTS[variant],

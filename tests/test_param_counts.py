@@ -12,7 +12,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from stem_megatron.config import ModelConfig, STEMConfig
-from stem_megatron.model.layer_plan import stem_layer_indices
+from stem_megatron.layer_plan import stem_layer_indices
 
 pytestmark = pytest.mark.slow  # ~10 s: spawning a process and importing megatron dominates
 

@@ -49,7 +49,7 @@ def test_token_id_outside_vocab_is_rejected_before_lookup():
 
 
 def _step_with_bad_batch():
-    from stem_megatron.training.loop import setup_model
+    from stem_megatron.training.setup import setup_model
     from stem_megatron.training.step import train_step
 
     cfg = RunConfig(model=ModelConfig(num_layers=2, vocab_size=64, seq_length=8),

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from stem_megatron.checkpoint.atomic import CheckpointError
-from stem_megatron.stem.store import HostTableStore
+from stem_megatron.host_tables.store import HostTableStore
 
 KINDS = ("weight", "exp_avg", "exp_avg_sq")
 

@@ -1,4 +1,4 @@
-"""Deterministic data-parallel micro-batches over a megatron dataset, and the token-id range check.
+"""Deterministic data-parallel micro-batches over a megatron dataset.
 
 Sampling contract (tests rely on it). Samples are ``dataset[i]`` for a megatron ``GPTDataset`` /
 ``BlendedDataset`` (``data/datasets.py``), already shuffled by megatron's seeded index. With
@@ -10,29 +10,7 @@ fixed global batch) does not change which samples a step trains on, and resuming
 needs no state.
 """
 
-
-import numpy as np
 import torch
-
-
-def check_token_ids(tokens, vocab_size):
-    """Raise ValueError if any id is outside ``[0, vocab_size)``.
-
-    Out-of-range ids would otherwise surface as an opaque embedding index error (or a device-side
-    assert on GPU). The min/max check keeps the common, valid case cheap.
-    """
-    lo, hi = int(tokens.min()), int(tokens.max())
-    if lo >= 0 and hi < vocab_size:
-        return
-    ids = tokens.cpu().numpy() if isinstance(tokens, torch.Tensor) else np.asarray(tokens)
-    bad = tuple(np.argwhere((ids < 0) | (ids >= vocab_size))[0].tolist())
-    position = bad[0] if len(bad) == 1 else bad
-    token = int(ids[bad])
-    problem = "negative" if token < 0 else f">= vocab_size {vocab_size}"
-    raise ValueError(
-        f"token id {token} at position {position} is {problem} (vocab_size {vocab_size}); the tokenizer "
-        f"and model.vocab_size disagree: model.vocab_size must cover every tokenizer id"
-    )
 
 
 def _collate(samples: list[dict]) -> dict:

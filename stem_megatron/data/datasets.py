@@ -22,7 +22,6 @@ import torch.distributed as dist
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 
-from stem_megatron.config import RunConfig
 from stem_megatron.data.integrity import check_indexed_dataset
 from stem_megatron.data.tokenizer import HFTokenizer
 
@@ -82,23 +81,3 @@ def build_datasets(
     sizes = [train_samples, valid_samples, None]
     train, valid, _ = BlendedMegatronDatasetBuilder(GPTDataset, sizes, lambda: True, config).build()
     return train, valid
-
-
-def run_datasets(cfg: RunConfig):
-    """``build_datasets`` for a run: ``train.steps * train.global_batch_size`` train samples from
-    ``data.blend``, validation over ``data.valid_prefixes``, ids checked against ``model.vocab_size``."""
-    d = cfg.data
-    return build_datasets(
-        HFTokenizer(Path(d.dir) / "tokenizer.json"),
-        d.train_blend(),
-        cfg.model.seq_length,
-        cfg.train.steps * cfg.train.global_batch_size,
-        cfg.train.seed,
-        d.cache_dir or Path(d.dir) / "index_cache",
-        cfg.model.vocab_size,
-        valid_prefixes=d.valid_prefix_paths(),
-        valid_samples=d.valid_samples,
-        reset_position_ids=d.reset_position_ids,
-        reset_attention_mask=d.reset_attention_mask,
-        eod_mask_loss=d.eod_mask_loss,
-    )

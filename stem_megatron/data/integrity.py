@@ -1,4 +1,5 @@
-"""Check a megatron indexed dataset (``prefix.idx`` + ``prefix.bin``) before training reads it.
+"""Integrity of the data: a megatron indexed dataset (``prefix.idx`` + ``prefix.bin``) before training
+reads it, and token ids against the vocabulary.
 
 megatron-core's ``IndexedDataset`` reports damage opaquely and late: a truncated ``.idx`` header
 raises ``struct.error: unpack requires a buffer of 8 bytes``, a truncated body ``ValueError: buffer is
@@ -15,12 +16,31 @@ import struct
 from pathlib import Path
 
 import numpy as np
+import torch
 from megatron.core.datasets.indexed_dataset import _INDEX_HEADER, DType
-
-from stem_megatron.data.batches import check_token_ids
 
 _HEADER = struct.Struct("<9sQBQQ")  # magic, version, dtype code, sequence count, document count
 FIX = "re-run stem-preprocess (or `python -m stem_megatron.data.corpus` for the demo corpus) to rebuild it"
+
+
+def check_token_ids(tokens, vocab_size):
+    """Raise ValueError if any id is outside ``[0, vocab_size)``.
+
+    Out-of-range ids would otherwise surface as an opaque embedding index error (or a device-side
+    assert on GPU). The min/max check keeps the common, valid case cheap.
+    """
+    lo, hi = int(tokens.min()), int(tokens.max())
+    if lo >= 0 and hi < vocab_size:
+        return
+    ids = tokens.cpu().numpy() if isinstance(tokens, torch.Tensor) else np.asarray(tokens)
+    bad = tuple(np.argwhere((ids < 0) | (ids >= vocab_size))[0].tolist())
+    position = bad[0] if len(bad) == 1 else bad
+    token = int(ids[bad])
+    problem = "negative" if token < 0 else f">= vocab_size {vocab_size}"
+    raise ValueError(
+        f"token id {token} at position {position} is {problem} (vocab_size {vocab_size}); the tokenizer "
+        f"and model.vocab_size disagree: model.vocab_size must cover every tokenizer id"
+    )
 
 
 def _fail(path, problem):

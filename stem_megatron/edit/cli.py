@@ -20,7 +20,7 @@ from typing import Optional, Sequence
 import torch
 
 from stem_megatron.edit.edits import MODES, StemEditor
-from stem_megatron.edit.lengths import STRATEGIES
+from stem_megatron.edit.row_plan import STRATEGIES
 
 
 @torch.no_grad()
@@ -115,7 +115,7 @@ def plot_report(report: dict, path) -> Path:
 
 def save_edited(model, out_dir) -> Path:
     """Write the (edited) model as a new export (same config and tokenizer)."""
-    from stem_megatron.inference.export_format import TOKENIZER, write_export
+    from stem_megatron.export.format import TOKENIZER, write_export
 
     weights = {n: p.detach().cpu() for n, p in model.model.named_parameters()}
     tokenizer = Path(model.export_dir) / TOKENIZER

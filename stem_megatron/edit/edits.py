@@ -9,7 +9,7 @@ rewrites rows in place, leaving every other parameter and the prompt alone:
   they were before the edit).
 
 ``StemEditor`` works on any holder of the tables: an export's weights dict (``read_export``), an
-``InferenceModel``/``GenerationModel`` (on-device tables or host-resident ``HostRowTables`` without
+``InferenceModel``/``GenerationModel`` (on-device tables or host-resident ``ReadOnlyHostTables`` without
 the hot-row cache), a GPT module, or a plain ``{layer: tensor}`` dict. Each edit appends an
 ``EditRecord`` (layers, ids, previous and new rows); ``undo()`` writes the previous rows back, so a
 full undo restores every row bitwise. The log saves as ``.pt`` or ``.json`` (rows base64-encoded raw
@@ -36,7 +36,7 @@ from typing import Iterable, Mapping, Optional, Sequence, Union
 
 import torch
 
-from stem_megatron.edit.lengths import RowPlan, plan_rows
+from stem_megatron.edit.row_plan import RowPlan, plan_rows
 
 TABLE_NAME = re.compile(r"^decoder\.layers\.(\d+)\.mlp\.U_l\.weight$")
 MODES = ("copy", "swap")
@@ -47,15 +47,15 @@ Layers = Union[str, Sequence[int], None]
 
 def stem_tables(holder) -> dict[int, torch.Tensor]:
     """``{0-based layer index: V x d_ff table}`` of ``holder``, the live tensors (edits act in place)."""
-    from stem_megatron.inference.host_rows import HostRowTables
+    from stem_megatron.host_tables.read_only import ReadOnlyHostTables
 
-    if isinstance(holder, HostRowTables):
+    if isinstance(holder, ReadOnlyHostTables):
         if holder.cache.capacity > 0:
-            raise ValueError("HostRowTables has a hot-row cache whose device copies an edit would not update: "
+            raise ValueError("ReadOnlyHostTables has a hot-row cache whose device copies an edit would not update: "
                              "load the model with cache_rows=0 to edit it")
         return {layer - 1: t for layer, t in holder.tables.items()}
     rows = getattr(holder, "rows", None)
-    if isinstance(rows, HostRowTables):  # GenerationModel(placement="host")
+    if isinstance(rows, ReadOnlyHostTables):  # GenerationModel(placement="host")
         return stem_tables(rows)
     if hasattr(holder, "model") and isinstance(holder.model, torch.nn.Module):  # InferenceModel, GenerationModel
         holder = holder.model

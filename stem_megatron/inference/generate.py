@@ -16,7 +16,7 @@ batches of prompts:
   the context's key/value buffers.
 * **Sampling**: ``sampling.next_token`` (greedy, or temperature + top-p from a seeded
   ``torch.Generator``), row by row in batch order, only for rows that are generating.
-* **STEM rows** (``placement="host"``): the tables stay in host memory (``host_rows.HostRowTables``);
+* **STEM rows** (``placement="host"``): the tables stay in host memory (``host_rows.ReadOnlyHostTables``);
   every forward fetches the rows of its distinct token ids only, ``B_uniq x d_ff`` per STEM layer,
   through ``token_ids(tokens, V, prefetched)`` and the training path's ``HostRowSource``.
   ``placement="device"`` keeps them as the export's ``U_l`` parameters (the reference).
@@ -41,10 +41,10 @@ from megatron.core.inference.contexts import StaticInferenceContext
 
 from stem_megatron.config import RunConfig
 from stem_megatron.data.tokenizer import HFTokenizer
-from stem_megatron.inference.export_format import ExportError, read_export
-from stem_megatron.inference.host_rows import HostRowTables, build_host_rows_model, split_tables
+from stem_megatron.export.format import ExportError, read_export
+from stem_megatron.host_tables.read_only import ReadOnlyHostTables, build_host_rows_model, split_tables
 from stem_megatron.inference.sampling import next_token
-from stem_megatron.inference.single_process import build_single_process_model, parameter_shapes
+from stem_megatron.export.single_process import build_single_process_model, parameter_shapes
 from stem_megatron.model.sharding import load_full_weights
 from stem_megatron.model.token_context import token_ids
 
@@ -181,7 +181,7 @@ class GenerationModel:
                                              weights[_EMBEDDING].element_size())
         tables, rest = split_tables(weights)
         if placement == "host" and tables:
-            self.rows: Optional[HostRowTables] = HostRowTables(tables, self.device, cache_rows, refresh_every)
+            self.rows: Optional[ReadOnlyHostTables] = ReadOnlyHostTables(tables, self.device, cache_rows, refresh_every)
             model = build_host_rows_model(self.config, self.rows)
             weights = rest  # the tables live in self.rows only
         else:  # device placement, or a model without STEM tables (dense, Hash-MoE)

@@ -14,9 +14,9 @@ from typing import Optional, Sequence
 import torch
 
 from stem_megatron.data.tokenizer import HFTokenizer
-from stem_megatron.inference.export_format import ExportError, read_export
+from stem_megatron.export.format import ExportError, read_export
 from stem_megatron.inference.sampling import next_token
-from stem_megatron.inference.single_process import build_single_process_model
+from stem_megatron.export.single_process import build_single_process_model
 from stem_megatron.model.sharding import load_full_weights
 from stem_megatron.model.token_context import token_ids
 

@@ -11,8 +11,8 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from stem_megatron.config import ModelConfig, ParallelConfig, STEMConfig
+from stem_megatron.layer_plan import planned_layers
 from stem_megatron.model.hash_moe import expert_map, hash_moe_spec
-from stem_megatron.model.layer_plan import stem_layer_indices
 from stem_megatron.model.specs import decoder_block_spec, device_rows, stem_mlp_spec
 from stem_megatron.parallel import have_transformer_engine
 
@@ -34,7 +34,7 @@ def transformer_config(
     dtype = torch.bfloat16 if on_gpu else torch.float32
     moe = {}
     if stem is not None and stem.variant == "hash_moe":
-        planned = set(planned_stem_layers(model, stem))
+        planned = set(planned_layers(model.num_layers, stem))
         moe = dict(
             num_moe_experts=stem.num_experts,
             moe_ffn_hidden_size=stem.expert_ffn_hidden_size or model.ffn_hidden_size,
@@ -80,11 +80,6 @@ def transformer_config(
     )
 
 
-def planned_stem_layers(model: ModelConfig, stem: STEMConfig) -> list[int]:
-    """Global 0-based indices of the replaced (STEM or Hash-MoE) layers of the whole model."""
-    return [] if stem.variant == "dense" else stem_layer_indices(model.num_layers, stem.ratio, stem.layers)
-
-
 def build_gpt(
     model: ModelConfig,
     stem: STEMConfig,
@@ -106,7 +101,7 @@ def build_gpt(
         mlp = hash_moe_spec(expert_of_token, stem.num_experts, use_te, grouped_gemm=config.moe_grouped_gemm)
     else:
         mlp = stem_mlp_spec(stem.variant, model.vocab_size, row_source or device_rows(stem.table_init_std), use_te)
-    spec = decoder_block_spec(config, planned_stem_layers(model, stem), mlp, use_te, pp_rank, attn_mask_type)
+    spec = decoder_block_spec(config, planned_layers(model.num_layers, stem), mlp, use_te, pp_rank, attn_mask_type)
     if pre_process is None:
         pre_process = parallel_state.is_pipeline_first_stage()
     if post_process is None:

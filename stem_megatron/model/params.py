@@ -14,7 +14,7 @@ from megatron.core.transformer.moe.moe_layer import MoELayer
 
 from stem_megatron.config import ModelConfig, ParallelConfig, STEMConfig
 from stem_megatron.model.gpt import build_gpt, transformer_config
-from stem_megatron.model.row_source import DeviceRowTable
+from stem_megatron.model.device_table import DeviceRowTable
 
 
 @dataclass

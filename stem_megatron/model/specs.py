@@ -19,7 +19,7 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
-from stem_megatron.model.row_source import DeviceRowTable
+from stem_megatron.model.device_table import DeviceRowTable
 from stem_megatron.model.stem_mlp import STEMMLP, STEMMLPSubmodules
 
 

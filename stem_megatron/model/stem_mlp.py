@@ -6,7 +6,8 @@
 
 ``W_g``/``W_u`` are column-parallel and ``W_d`` row-parallel (megatron-core linears), so each TP rank
 works on its d_ff/tp slice end to end; ``U_l`` comes from a row source holding the same slice.
-The token ids come from ``token_context`` so megatron's forward signatures stay untouched.
+The row source reads the micro-batch's tokens from ``token_context``, so megatron's forward
+signatures stay untouched.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from stem_megatron.model.token_context import current_token_ids
+from stem_megatron.model import token_context
 
 STEM_VARIANTS = ("stem", "stem_dagger", "stem_gate")
 
@@ -74,7 +75,7 @@ class STEMMLP(MegatronModule):
 
     def forward(self, hidden_states: torch.Tensor, **_kwargs):
         """hidden_states [s, b, h] -> (output [s, b, h], None)."""
-        rows = self.U_l(current_token_ids().t())  # tokens [b, s] -> rows [s, b, d_ff/tp]
+        rows = self.U_l(token_context.current())  # rows [s, b, d_ff/tp] for the micro-batch's tokens
         if self.variant == "stem":
             h = F.silu(self.W_g(hidden_states)[0]) * rows
         elif self.variant == "stem_dagger":

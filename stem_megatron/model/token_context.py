@@ -1,37 +1,53 @@
-"""Hands the micro-batch's token ids (and prefetched STEM rows) to STEM layers without changing
-megatron-core's forward signatures.
+"""Hands the micro-batch's token ids (and the STEM rows fetched for them) to STEM layers without
+changing megatron-core's forward signatures.
 
-The forward step wraps ``model(tokens, ...)`` in ``token_ids(tokens, vocab_size, prefetched)``; a STEM
-layer deep inside the TransformerBlock reads ``current_token_ids()`` and, with the host-resident store,
-``current_prefetched()``. Ids are validated against the vocabulary on entry, so a bad id fails here with
-a clear message rather than inside an index kernel (a device assert on GPU).
+The forward step wraps ``model(tokens, ...)`` in ``token_ids(tokens, vocab_size, rows)``. A STEM layer
+deep inside the TransformerBlock passes ``current()`` to its row source, which reads the ids (a table
+on the device) or the fetched rows (host-resident tables); the Hash-MoE router reads
+``current_token_ids()``. Ids are checked against the vocabulary once, where they first meet a table:
+by the fetch that produced ``rows`` (host tables), else here on entry, so a bad id fails with a clear
+message rather than inside an index kernel (a device assert on GPU).
 """
 
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 from typing import Any, Iterator, Optional
 
 import torch
 
-from stem_megatron.data.batches import check_token_ids
+from stem_megatron.data.integrity import check_token_ids
 
-_current: Optional[tuple[torch.Tensor, Any]] = None
+
+@dataclass(frozen=True)
+class MicroBatchTokens:
+    """What a row source may read for the micro-batch being computed."""
+
+    ids: torch.Tensor  # [batch, seq]
+    rows: Any = None  # host_tables.transfer.PrefetchedRows when the tables live in host memory
+
+
+_current: Optional[MicroBatchTokens] = None
 
 
 @contextlib.contextmanager
-def token_ids(tokens: torch.Tensor, vocab_size: int, prefetched: Any = None) -> Iterator[None]:
-    """Make ``tokens`` ([batch, seq]) and the rows prefetched for them visible for one forward pass."""
+def token_ids(tokens: torch.Tensor, vocab_size: int, rows: Any = None) -> Iterator[None]:
+    """Make ``tokens`` ([batch, seq]) and the rows fetched for them visible for one forward pass.
+
+    Without ``rows`` the ids are range-checked here; ``rows`` come from a fetch that checked them.
+    """
     global _current
-    check_token_ids(tokens, vocab_size)
-    previous, _current = _current, (tokens, prefetched)
+    if rows is None:
+        check_token_ids(tokens, vocab_size)
+    previous, _current = _current, MicroBatchTokens(tokens, rows)
     try:
         yield
     finally:
         _current = previous
 
 
-def _get() -> tuple[torch.Tensor, Any]:
+def current() -> MicroBatchTokens:
     if _current is None:
         raise RuntimeError(
             "a STEM layer ran outside `token_ids(...)`: wrap the model call in "
@@ -41,12 +57,4 @@ def _get() -> tuple[torch.Tensor, Any]:
 
 
 def current_token_ids() -> torch.Tensor:
-    return _get()[0]
-
-
-def current_prefetched() -> Any:
-    prefetched = _get()[1]
-    if prefetched is None:
-        raise RuntimeError("a host-resident STEM layer ran without prefetched rows: wrap the data iterator "
-                           "in stem_megatron.stem.prefetch.RowPrefetcher")
-    return prefetched
+    return current().ids

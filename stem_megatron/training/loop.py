@@ -6,37 +6,19 @@ import dataclasses
 import json
 import os
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
 
-import torch
 import torch.distributed as dist
-from megatron.core import parallel_state
-from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
-from megatron.core.optimizer import MegatronOptimizer
-from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-from megatron.core.transformer.enums import AttnMaskType
-from megatron.core.transformer.spec_utils import ModuleSpec
-from megatron.core.transformer.transformer_block import get_num_layers_to_build
-from megatron.core.transformer.transformer_config import TransformerConfig
-from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
 from stem_megatron import parallel
 from stem_megatron.checkpoint import manager as checkpoints
 from stem_megatron.checkpoint.atomic import CheckpointError, resolve
-from stem_megatron.checkpoint.export import export
 from stem_megatron.config import RunConfig, validate
-from stem_megatron.data.batches import micro_batches
-from stem_megatron.data.datasets import run_datasets
-from stem_megatron.model.gpt import build_gpt, planned_stem_layers, transformer_config
+from stem_megatron.export.writer import export
 from stem_megatron.model.hash_moe import take_moe_stats
-from stem_megatron.model.stem_mlp import STEM_VARIANTS
-from stem_megatron.stem.prefetch import RowPrefetcher
-from stem_megatron.stem.row_source import HostRowSource
-from stem_megatron.stem.store import HostTableStore, default_init_std
-from stem_megatron.training.metrics import MetricsWriter
-from stem_megatron.training.optim import build_optimizer, build_scheduler, wrap_ddp
+from stem_megatron.training.data_stream import batch_stream, run_datasets
+from stem_megatron.training.metrics_file import MetricsWriter
+from stem_megatron.training.setup import Trainer, setup_model
 from stem_megatron.training.spikes import SpikeDetector
 from stem_megatron.training.step import train_step
 from stem_megatron.training.validation import check_size, validation_loss
@@ -46,56 +28,6 @@ from stem_megatron.training.tracking import (
     model_flops_per_token,
     throughput_metrics,
 )
-
-
-@dataclass
-class Trainer:
-    """What a training step needs: the DDP-wrapped stage, its optimizer and schedule, the STEM store."""
-
-    model: DistributedDataParallel
-    optimizer: MegatronOptimizer
-    scheduler: OptimizerParamScheduler
-    store: Optional[HostTableStore]
-
-
-def build_store(cfg: RunConfig, tconfig: TransformerConfig, device: torch.device) -> HostTableStore:
-    """The host tables of this pipeline stage's STEM layers (collective: every rank builds one)."""
-    first = get_transformer_layer_offset(tconfig) + 1
-    local = range(first, first + get_num_layers_to_build(tconfig))
-    layers = [i + 1 for i in planned_stem_layers(cfg.model, cfg.stem) if i + 1 in local]
-    t, m = cfg.train, cfg.model
-    return HostTableStore(
-        layers, m.vocab_size, m.ffn_hidden_size,
-        default_init_std(m.init_method_std, m.hidden_size, cfg.stem.table_init_std), t.seed,
-        optimizer=cfg.stem.optimizer, betas=(t.adam_beta1, t.adam_beta2), eps=1e-8,
-        weight_decay=t.weight_decay, cache_rows=cfg.stem.cache_rows, device=device,
-    )
-
-
-def setup_model(cfg: RunConfig) -> Trainer:
-    """Model stage for this rank wrapped in megatron DDP, its optimizer and LR schedule, and (with
-    ``stem.placement=host``) the host table store its STEM layers read from."""
-    gpu = parallel.on_gpu()
-    tconfig = transformer_config(cfg.model, cfg.parallel, on_gpu=gpu, stem=cfg.stem)
-    store, row_source = None, None
-    if cfg.stem.placement == "host" and cfg.stem.variant in STEM_VARIANTS:
-        device = torch.device("cuda", torch.cuda.current_device()) if gpu else torch.device("cpu")
-        store = build_store(cfg, tconfig, device)
-        row_source = ModuleSpec(module=HostRowSource, params={"store": store})
-    # explicit per-document masks need the "arbitrary" type on GPU (fused softmax / TE ignore a mask
-    # under "causal"); on CPU both apply it
-    mask = AttnMaskType.arbitrary if cfg.data.reset_attention_mask else AttnMaskType.causal
-    model = build_gpt(cfg.model, cfg.stem, tconfig, row_source=row_source,
-                      use_te=gpu and parallel.have_transformer_engine(), attn_mask_type=mask)
-    if gpu:
-        model.cuda()  # megatron's torch RMSNorm (no TE) is created without a device
-    model = wrap_ddp(model, tconfig, cfg.parallel)
-    optimizer = build_optimizer(model, cfg.train, cfg.parallel, bf16=gpu)
-    scheduler = build_scheduler(optimizer, cfg.train)
-    tconfig.finalize_model_grads_func = finalize_model_grads
-    tconfig.grad_scale_func = optimizer.scale_loss
-    tconfig.no_sync_func = model.no_sync
-    return Trainer(model, optimizer, scheduler, store)
 
 
 def run(cfg: RunConfig) -> list[dict]:
@@ -143,11 +75,6 @@ def _train(cfg: RunConfig, dp: int) -> list[dict]:
               f"set checkpoint.resume=false or another out_dir)", flush=True)
     last = t.steps if t.exit_after_steps is None else min(t.steps, resumed + t.exit_after_steps)
     n_micro = t.global_batch_size // (t.micro_batch_size * dp)
-    data = micro_batches(train_data, t.micro_batch_size, parallel_state.get_data_parallel_rank(), dp,
-                         start_step=resumed, num_micro_batches=n_micro)
-    if trainer.store is not None:
-        data = RowPrefetcher(data, trainer.store, n_micro, cfg.model.vocab_size, cfg.stem.prefetch_depth,
-                             start_step=resumed)
     if rank0:
         Path(cfg.out_dir).mkdir(parents=True, exist_ok=True)
         (Path(cfg.out_dir) / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
@@ -158,7 +85,8 @@ def _train(cfg: RunConfig, dp: int) -> list[dict]:
     tokens_per_step = t.global_batch_size * cfg.model.seq_length
     with WandbTracker(cfg.out_dir, dataclasses.asdict(cfg), project=lg.project, mode=lg.wandb_mode,
                       name=lg.run_name, tags=lg.tags, entity=lg.entity, group=lg.group,
-                      enabled=rank0 and lg.wandb) as tracker:
+                      enabled=rank0 and lg.wandb) as tracker, \
+            batch_stream(train_data, cfg, dp, trainer.store, n_micro, start_step=resumed) as data:
         for step in range(resumed + 1, last + 1):
             start = time.perf_counter()
             out = train_step(trainer, data, n_micro, t.micro_batch_size, cfg.model.seq_length, cfg.model.vocab_size)
@@ -186,8 +114,6 @@ def _train(cfg: RunConfig, dp: int) -> list[dict]:
                 if rank0:
                     print(f"saved checkpoint {saved}", flush=True)
     writer.close()
-    if trainer.store is not None:
-        data.close()
     if cfg.checkpoint.export and last == t.steps and resumed < t.steps:  # a finished run exported already
         tokenizer = Path(cfg.data.dir) / "tokenizer.json"
         export(cfg, trainer, Path(cfg.checkpoint.export), tokenizer if tokenizer.exists() else None)

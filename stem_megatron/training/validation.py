@@ -7,15 +7,12 @@ rows come through a prefetcher of their own that reads the tables as of the curr
 
 from __future__ import annotations
 
-import itertools
 import math
 
 import torch
-from megatron.core import parallel_state
 
 from stem_megatron.config import RunConfig
-from stem_megatron.data.batches import micro_batches
-from stem_megatron.stem.prefetch import RowPrefetcher
+from stem_megatron.training.data_stream import batch_stream
 from stem_megatron.training.step import forward_backward
 
 
@@ -32,18 +29,13 @@ def validation_loss(trainer, valid_dataset, cfg: RunConfig, dp: int) -> dict:
     """``valid_loss`` (mean token cross-entropy, nats) and ``valid_ppl`` of the current weights."""
     t = cfg.train
     n_micro = t.eval_iters * t.global_batch_size // (t.micro_batch_size * dp)
-    data = itertools.islice(micro_batches(valid_dataset, t.micro_batch_size, parallel_state.get_data_parallel_rank(),
-                                          dp, num_micro_batches=n_micro), n_micro)
-    if trainer.store is not None:
-        data = RowPrefetcher(data, trainer.store, n_micro, cfg.model.vocab_size, cfg.stem.prefetch_depth,
-                             start_step=trainer.store.steps_done)
+    store = trainer.store
     trainer.model.eval()
     try:
-        with torch.no_grad():
+        with batch_stream(valid_dataset, cfg, dp, store, n_micro, steps=1,
+                          tables_after=store.steps_done if store is not None else None) as data, torch.no_grad():
             loss = forward_backward(trainer.model, data, n_micro, t.micro_batch_size, cfg.model.seq_length,
                                     cfg.model.vocab_size, forward_only=True)
     finally:
         trainer.model.train()
-        if trainer.store is not None:
-            data.close()
     return {"valid_loss": loss, "valid_ppl": math.exp(min(loss, 50.0))}

@@ -12,8 +12,8 @@ import torch
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from stem_megatron.model.token_context import current_prefetched
-from stem_megatron.stem.store import HostTableStore
+from stem_megatron.model.token_context import MicroBatchTokens
+from stem_megatron.host_tables.store import HostTableStore
 
 
 class HostRowSource(MegatronModule):
@@ -29,9 +29,14 @@ class HostRowSource(MegatronModule):
             raise ValueError(f"layer {layer_number} has no table in the host store (has {self.store.layers})")
         self.layer_number = layer_number
 
-    def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
-        """token_ids [s, b] -> rows [s, b, d_ff/tp] (the ids come prefetched with their rows)."""
-        prefetched = current_prefetched()
+    def forward(self, tokens: MicroBatchTokens) -> torch.Tensor:
+        """The rows fetched for ``tokens`` as [s, b, d_ff/tp] (``tokens.rows``: ids deduplicated, rows on
+        their way to the device)."""
+        prefetched = tokens.rows
+        if prefetched is None:
+            raise RuntimeError("a host-resident STEM layer ran without fetched rows: wrap the data iterator in "
+                               "stem_megatron.host_tables.prefetch.RowPrefetcher (training) or pass the rows of "
+                               "ReadOnlyHostTables.fetch to token_ids (inference)")
         prefetched.fetched.wait()
         rows = prefetched.fetched.rows[self.layer_number]
         if torch.is_grad_enabled():

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from stem_megatron.config import RunConfig
-from stem_megatron.inference.export_format import write_export
+from stem_megatron.export.format import write_export
 from stem_megatron.model.sharding import local_to_global
 
 

@@ -31,3 +31,8 @@ def stem_layer_indices(num_layers: int, ratio: str, layers: Optional[Sequence[in
         return list(range(1, num_layers))
     count = int(RATIOS[ratio] * num_layers)
     return [(j + 1) * num_layers // count - 1 for j in range(count)]
+
+
+def planned_layers(num_layers: int, stem) -> list[int]:
+    """Global 0-based indices of the replaced (STEM or Hash-MoE) layers of a run (``stem``: its STEMConfig)."""
+    return [] if stem.variant == "dense" else stem_layer_indices(num_layers, stem.ratio, stem.layers)

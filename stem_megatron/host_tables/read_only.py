@@ -1,6 +1,6 @@
 """Host-resident STEM tables at decode time: one process, rows fetched per step for the unique ids only.
 
-An export holds every ``U_l`` as a full V x d_ff matrix. ``HostRowTables`` keeps them in host memory
+An export holds every ``U_l`` as a full V x d_ff matrix. ``ReadOnlyHostTables`` keeps them in host memory
 (plain CPU tensors) and, for each forward, gathers only the rows of the step's distinct token ids
 (``B_uniq x d_ff`` per STEM layer; one decode step of a batch of B sequences feeds B tokens) and hands
 them to the compute device (``stem.transfer.HostToDevice``: on GPU the gathered rows go through a
@@ -25,13 +25,11 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from stem_megatron.config import RunConfig
-from stem_megatron.data.batches import check_token_ids
-from stem_megatron.inference.single_process import ensure_single_process_state, single_process_config
+from stem_megatron.export.single_process import ensure_single_process_state, single_process_config
 from stem_megatron.model.gpt import build_gpt, transformer_config
-from stem_megatron.stem.cache import HotRowCache
-from stem_megatron.stem.prefetch import PrefetchedRows
-from stem_megatron.stem.row_source import HostRowSource
-from stem_megatron.stem.transfer import Fetched, HostToDevice
+from stem_megatron.host_tables.cache import HotRowCache
+from stem_megatron.host_tables.row_source import HostRowSource
+from stem_megatron.host_tables.transfer import HostToDevice, PrefetchedRows, fetch_rows
 
 TABLE_NAME = re.compile(r"^decoder\.layers\.(\d+)\.mlp\.U_l\.weight$")
 
@@ -48,7 +46,7 @@ def split_tables(weights: Mapping[str, torch.Tensor]) -> tuple[dict[int, torch.T
     return tables, rest
 
 
-class HostRowTables:
+class ReadOnlyHostTables:
     """The STEM tables of one model in host memory, serving ``U_l[uniq]`` per forward.
 
     ``tables``: ``{global 1-based layer number: V x d_ff tensor}``. ``cache_rows``: rows per table
@@ -87,50 +85,33 @@ class HostRowTables:
         """The rows a forward over ``tokens`` ([b, s]) needs: ``U_l[unique ids]`` of every STEM layer.
 
         Cached ids are read from the device cache, the others gathered from host memory and copied
-        to the device (pinned buffer + side stream on GPU, nothing to copy on CPU).
+        to the device (``transfer.fetch_rows``: pinned buffer + side stream on GPU, nothing to copy on CPU).
         """
-        check_token_ids(tokens, self.vocab_size)  # before any row lookup
-        uniq, inverse, counts = torch.unique(tokens.cpu(), return_inverse=True, return_counts=True)
-        self.cache.observe(uniq, counts)
-        hit, pos = self.cache.split(uniq)
-        miss = uniq[~hit]
-        rows, gathered = {}, 0
-        with self.h2d.stream():
-            hit_d = hit.to(self.device, non_blocking=True)
-            for layer in self.layers:
-                host = self.tables[layer].index_select(0, miss)
-                gathered += host.shape[0]
-                fetched = self.h2d.copy(host)
-                if hit.any():
-                    out = torch.empty(uniq.numel(), self.d_ff, dtype=host.dtype, device=self.device)
-                    out[hit_d] = self.cache.rows[layer][pos.to(self.device)]
-                    out[~hit_d] = fetched
-                    fetched = out
-                rows[layer] = fetched
-            ready = self.h2d.record()
+        prefetched, hit = fetch_rows(tokens, self.vocab_size, self.tables, self.cache, self.h2d)
         hits = int(hit.sum())
-        stats = {"tokens": tokens.numel(), "unique_tokens": uniq.numel(),
-                 "rows_from_host": gathered // len(self.layers),  # per STEM layer (same ids for each)
-                 "rows_from_cache": hits,
-                 "bytes_to_device": gathered * self.row_bytes}
-        self.fetches.append(stats)
-        return PrefetchedRows(uniq, inverse.to(self.device, non_blocking=True), Fetched(rows, ready, stats))
+        prefetched.fetched.stats.update(tokens=tokens.numel(), unique_tokens=prefetched.uniq.numel(),
+                                        rows_from_host=prefetched.uniq.numel() - hits,  # per STEM layer
+                                        rows_from_cache=hits,
+                                        bytes_to_device=(prefetched.uniq.numel() - hits) * len(self.layers)
+                                        * self.row_bytes)
+        self.fetches.append(prefetched.fetched.stats)
+        return prefetched
 
     def refresh_cache(self, step: int) -> None:
         """After forward ``step`` (1-based): re-choose the cached rows from the counts when due."""
         self.cache.refresh(step, self.tables, {layer: torch.empty(0, dtype=torch.int64) for layer in self.layers})
 
     def register(self, layer: int, uniq: torch.Tensor, rows: torch.Tensor) -> None:
-        raise RuntimeError("HostRowTables serve inference only: run the model under torch.no_grad() "
+        raise RuntimeError("ReadOnlyHostTables serve inference only: run the model under torch.no_grad() "
                            "(training uses stem.store.HostTableStore, which keeps row gradients)")
 
 
-def host_rows_spec(tables: HostRowTables) -> ModuleSpec:
+def host_rows_spec(tables: ReadOnlyHostTables) -> ModuleSpec:
     """The layer spec's row source: the training path's ``HostRowSource`` reading from ``tables``."""
     return ModuleSpec(module=HostRowSource, params={"store": tables})
 
 
-def build_host_rows_model(cfg: RunConfig, tables: HostRowTables) -> GPTModel:
+def build_host_rows_model(cfg: RunConfig, tables: ReadOnlyHostTables) -> GPTModel:
     """The export's single-process model with STEM rows served by ``tables`` (no ``U_l`` parameters).
 
     Same layout as ``single_process.build_single_process_model`` (TP=PP=EP=1, local modules, fp32);

@@ -27,9 +27,8 @@ from typing import Mapping, Optional
 import torch
 from omegaconf.errors import OmegaConfBaseException
 
-from stem_megatron.config import RunConfig
-from stem_megatron.inference.single_process import parameter_shapes
-from stem_megatron.train import to_run_config
+from stem_megatron.config import RunConfig, to_run_config
+from stem_megatron.export.single_process import parameter_shapes
 
 FORMAT = "stem-megatron-export-v1"
 CONFIG, WEIGHTS, TOKENIZER, HASH_COUNTS = "config.json", "model.pt", "tokenizer.json", "hash_counts.npy"
@@ -38,11 +37,6 @@ _FREQUENCY = "frequency:"
 
 class ExportError(ValueError):
     """An export directory is missing, incomplete, corrupt or does not match its config."""
-
-
-def run_config_from_dict(data: Mapping) -> RunConfig:
-    """Rebuild the typed RunConfig from ``dataclasses.asdict`` output (unknown keys and bad types fail)."""
-    return to_run_config(data)
 
 
 def write_export(out_dir, run_config: RunConfig, weights: Mapping[str, torch.Tensor],
@@ -99,7 +93,7 @@ def read_export(path) -> tuple[RunConfig, dict[str, torch.Tensor], Optional[Path
         if not f.is_file():
             raise ExportError(f"{f} is missing: {root} is not a complete export (re-export the checkpoint)")
     try:
-        cfg = run_config_from_dict(json.loads(config_file.read_text()))
+        cfg = to_run_config(json.loads(config_file.read_text()))
     except (json.JSONDecodeError, OmegaConfBaseException) as e:
         raise ExportError(f"{config_file} is not a valid RunConfig: {e}") from None
     if cfg.stem.hash_map == _FREQUENCY + HASH_COUNTS:

@@ -1,8 +1,8 @@
 """Background prefetch of STEM rows, one or more micro-batches ahead of the training step.
 
 ``RowPrefetcher`` wraps the data iterator the pipeline schedule reads. A worker thread takes the next
-micro-batches, checks their ids against the vocabulary, deduplicates them (``unique`` + inverse) and
-asks the store for the rows, which it attaches to the batch as ``batch["stem"]``. The queue is
+micro-batches and asks the store for their rows (``store.fetch``: ids checked against the vocabulary,
+deduplicated, gathered), which it attaches to the batch as ``batch["stem"]``. The queue is
 bounded (``depth``). Before fetching for step s the worker waits until the store has applied step
 s-1's update, so prefetching never reads stale rows. A worker exception is re-raised in the training
 thread with the original as its cause.
@@ -13,23 +13,9 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from dataclasses import dataclass
 from typing import Iterator
 
-import torch
-
-from stem_megatron.data.batches import check_token_ids
-from stem_megatron.stem.store import HostTableStore
-from stem_megatron.stem.transfer import Fetched
-
-
-@dataclass
-class PrefetchedRows:
-    """What a host-resident STEM layer needs for one micro-batch."""
-
-    uniq: torch.Tensor  # sorted unique token ids
-    inverse: torch.Tensor  # [b, s]: position of each token's id in ``uniq``
-    fetched: Fetched
+from stem_megatron.host_tables.store import HostTableStore
 
 
 class _Failed:
@@ -41,27 +27,23 @@ _END = object()
 
 
 class RowPrefetcher:
-    def __init__(self, data: Iterator[dict], store: HostTableStore, num_micro_batches: int, vocab_size: int,
-                 depth: int = 2, start_step: int = 0):
+    def __init__(self, data: Iterator[dict], store: HostTableStore, num_micro_batches: int, depth: int = 2,
+                 start_step: int = 0):
         self.store = store
         self.wait_s = 0.0
         self._queue: queue.Queue = queue.Queue(maxsize=depth)
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._work, args=(data, num_micro_batches, vocab_size, start_step),
+        self._thread = threading.Thread(target=self._work, args=(data, num_micro_batches, start_step),
                                         name="stem-prefetch", daemon=True)
         self._thread.start()
 
-    def _work(self, data, num_micro_batches, vocab_size, start_step) -> None:
+    def _work(self, data, num_micro_batches, start_step) -> None:
         try:
             for i, batch in enumerate(data):
                 self.store.wait_for_step(start_step + i // num_micro_batches, self._stop)
                 if self._stop.is_set():
                     return
-                tokens = batch["tokens"]
-                check_token_ids(tokens, vocab_size)  # before any row lookup
-                uniq, inverse, counts = torch.unique(tokens.cpu(), return_inverse=True, return_counts=True)
-                inverse = inverse.to(self.store.device, non_blocking=True)
-                batch["stem"] = PrefetchedRows(uniq, inverse, self.store.fetch(uniq, counts))
+                batch["stem"] = self.store.fetch(batch["tokens"])  # checks the ids before any lookup
                 self._put(batch)
             self._put(_END)
         except BaseException as error:  # surfaces in the training thread

@@ -1,7 +1,7 @@
-"""Row sources: where a STEM layer gets ``U_l[t]`` for its tokens.
+"""The on-device row source: where a STEM layer gets ``U_l[t]`` for its tokens.
 
-A STEM layer only calls ``row_source(token_ids) -> rows``; which module answers is chosen by the layer
-spec. ``DeviceRowTable`` keeps ``U_l`` as an ordinary parameter on the compute device, sharded by
+A STEM layer only calls ``row_source(tokens) -> rows`` (``token_context.MicroBatchTokens``); which
+module answers is chosen by the layer spec. ``DeviceRowTable`` keeps ``U_l`` as an ordinary parameter on the compute device, sharded by
 columns like the gate: TP rank r holds ``U_l[:, r*d_ff/tp:(r+1)*d_ff/tp]``, the same slice of d_ff its
 ``W_g`` shard produces, so no TP communication is added. The host-resident store supplies a module
 with the same call signature.
@@ -22,6 +22,8 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 from megatron.core.utils import divide
+
+from stem_megatron.model.token_context import MicroBatchTokens
 
 
 def table_init_method(config: TransformerConfig, std: float | None):
@@ -58,6 +60,6 @@ class DeviceRowTable(MegatronModule):
         state = self.state_dict(prefix="", keep_vars=True)
         return make_sharded_tensors_for_checkpoint(state, prefix, {"weight": 1}, sharded_offsets)
 
-    def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
-        """token_ids [s, b] -> rows [s, b, d_ff/tp]."""
-        return F.embedding(token_ids, self.weight)
+    def forward(self, tokens: MicroBatchTokens) -> torch.Tensor:
+        """The rows of ``tokens.ids`` [b, s] as [s, b, d_ff/tp]."""
+        return F.embedding(tokens.ids.t(), self.weight)

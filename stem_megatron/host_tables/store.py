@@ -26,12 +26,17 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
+from megatron.core.transformer.transformer_block import get_num_layers_to_build
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
-from stem_megatron.stem.cache import HotRowCache
-from stem_megatron.stem.dp_sync import union_all_reduce
-from stem_megatron.stem.node import node_layout, shared_tensors
-from stem_megatron.stem.row_adam import RowAdam
-from stem_megatron.stem.transfer import Fetched, HostToDevice
+from stem_megatron.config import RunConfig
+from stem_megatron.host_tables.cache import HotRowCache
+from stem_megatron.host_tables.dp_sync import union_all_reduce
+from stem_megatron.host_tables.node import node_layout, shared_tensors
+from stem_megatron.host_tables.row_adam import RowAdam
+from stem_megatron.host_tables.transfer import HostToDevice, PrefetchedRows, fetch_rows
+from stem_megatron.layer_plan import planned_layers
 
 _INIT_ROWS = 4096  # rows drawn per generator seed when initialising a table (fixes the init values)
 
@@ -128,31 +133,16 @@ class HostTableStore:
         with self._version:
             self._version.notify_all()
 
-    def fetch(self, uniq: torch.Tensor, counts: torch.Tensor) -> Fetched:
-        """Rows ``U_l[uniq, my columns]`` of every local STEM layer, on their way to the compute device.
-
-        Cached rows come from the device cache, the others are gathered from host memory (only the
-        unique ids, only this TP rank's columns) and copied over.
-        """
-        self.cache.observe(uniq, counts)
-        hit, pos = self.cache.split(uniq)
-        miss = uniq[~hit]
-        rows = {}
-        with self.h2d.stream():
-            hit_d = hit.to(self.device, non_blocking=True)
-            for layer in self.layers:
-                fetched = self.h2d.copy(self.weight[layer].index_select(0, miss))
-                if hit.any():
-                    out = torch.empty(uniq.numel(), self.cols, device=self.device)
-                    out[hit_d] = self.cache.rows[layer][pos.to(self.device)]
-                    out[~hit_d] = fetched
-                    fetched = out
-                rows[layer] = fetched
-            ready = self.h2d.record()
-        stats = {"unique_tokens": uniq.numel(), "rows_fetched": miss.numel() * len(self.layers),
-                 "bytes_to_device": miss.numel() * self.cols * 4 * len(self.layers),
-                 "cache_hits": int(hit.sum()), "cache_lookups": uniq.numel() if self.cache.ids.numel() else 0}
-        return Fetched(rows, ready, stats)
+    def fetch(self, tokens: torch.Tensor) -> PrefetchedRows:
+        """Rows ``U_l[unique ids, my columns]`` of every local STEM layer for a micro-batch's ``tokens``,
+        on their way to the compute device (``transfer.fetch_rows``)."""
+        prefetched, hit = fetch_rows(tokens, self.vocab_size, self.weight, self.cache, self.h2d)
+        uniq, misses = prefetched.uniq.numel(), int((~hit).sum())
+        prefetched.fetched.stats.update(
+            unique_tokens=uniq, rows_fetched=misses * len(self.layers),
+            bytes_to_device=misses * self.cols * 4 * len(self.layers),
+            cache_hits=uniq - misses, cache_lookups=uniq if self.cache.ids.numel() else 0)
+        return prefetched
 
     # ---- training side ----
     def count(self, stats: dict) -> None:
@@ -236,3 +226,17 @@ class HostTableStore:
 def default_init_std(init_method_std: float, hidden_size: int, table_init_std: Optional[float]) -> float:
     """Same default as the device table: the scale of the ``W_u x`` entries ``U_l[t]`` replaces."""
     return init_method_std * math.sqrt(hidden_size) if table_init_std is None else table_init_std
+
+
+def build_store(cfg: RunConfig, tconfig: TransformerConfig, device: torch.device) -> HostTableStore:
+    """The host tables of this pipeline stage's STEM layers (collective: every rank builds one)."""
+    first = get_transformer_layer_offset(tconfig) + 1
+    local = range(first, first + get_num_layers_to_build(tconfig))
+    layers = [i + 1 for i in planned_layers(cfg.model.num_layers, cfg.stem) if i + 1 in local]
+    t, m = cfg.train, cfg.model
+    return HostTableStore(
+        layers, m.vocab_size, m.ffn_hidden_size,
+        default_init_std(m.init_method_std, m.hidden_size, cfg.stem.table_init_std), t.seed,
+        optimizer=cfg.stem.optimizer, betas=(t.adam_beta1, t.adam_beta2), eps=1e-8,
+        weight_decay=t.weight_decay, cache_rows=cfg.stem.cache_rows, device=device,
+    )

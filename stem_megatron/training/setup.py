@@ -1,0 +1,58 @@
+"""A rank's trainable state: its model stage in megatron DDP, the optimizer, the LR schedule and, with
+``stem.placement=host``, the host table store its STEM layers read from."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
+from megatron.core.optimizer import MegatronOptimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.spec_utils import ModuleSpec
+
+from stem_megatron import parallel
+from stem_megatron.config import RunConfig
+from stem_megatron.host_tables.row_source import HostRowSource
+from stem_megatron.host_tables.store import HostTableStore, build_store
+from stem_megatron.model.gpt import build_gpt, transformer_config
+from stem_megatron.model.stem_mlp import STEM_VARIANTS
+from stem_megatron.training.optim import build_optimizer, build_scheduler, wrap_ddp
+
+
+@dataclass
+class Trainer:
+    """What a training step needs: the DDP-wrapped stage, its optimizer and schedule, the STEM store."""
+
+    model: DistributedDataParallel
+    optimizer: MegatronOptimizer
+    scheduler: OptimizerParamScheduler
+    store: Optional[HostTableStore]
+
+
+def setup_model(cfg: RunConfig) -> Trainer:
+    """Model stage for this rank wrapped in megatron DDP, its optimizer and LR schedule, and (with
+    ``stem.placement=host``) the host table store its STEM layers read from."""
+    gpu = parallel.on_gpu()
+    tconfig = transformer_config(cfg.model, cfg.parallel, on_gpu=gpu, stem=cfg.stem)
+    store, row_source = None, None
+    if cfg.stem.placement == "host" and cfg.stem.variant in STEM_VARIANTS:
+        device = torch.device("cuda", torch.cuda.current_device()) if gpu else torch.device("cpu")
+        store = build_store(cfg, tconfig, device)
+        row_source = ModuleSpec(module=HostRowSource, params={"store": store})
+    # explicit per-document masks need the "arbitrary" type on GPU (fused softmax / TE ignore a mask
+    # under "causal"); on CPU both apply it
+    mask = AttnMaskType.arbitrary if cfg.data.reset_attention_mask else AttnMaskType.causal
+    model = build_gpt(cfg.model, cfg.stem, tconfig, row_source=row_source,
+                      use_te=gpu and parallel.have_transformer_engine(), attn_mask_type=mask)
+    if gpu:
+        model.cuda()  # megatron's torch RMSNorm (no TE) is created without a device
+    model = wrap_ddp(model, tconfig, cfg.parallel)
+    optimizer = build_optimizer(model, cfg.train, cfg.parallel, bf16=gpu)
+    scheduler = build_scheduler(optimizer, cfg.train)
+    tconfig.finalize_model_grads_func = finalize_model_grads
+    tconfig.grad_scale_func = optimizer.scale_loss
+    tconfig.no_sync_func = model.no_sync
+    return Trainer(model, optimizer, scheduler, store)
