@@ -1,4 +1,4 @@
-"""stem-flops (stem_megatron/flops.py): paper §3.1 fractions, Table 1, exact matmul FLOPs against
+"""stem-flops (stem_megatron/flops/): paper §3.1 fractions, Table 1, exact matmul FLOPs against
 FlopCounterMode on a real megatron GPTModel, parameter counts, training ROI, and the CLI."""
 
 import json
@@ -10,8 +10,14 @@ from pathlib import Path
 import distributed
 import pytest
 
-from stem_megatron import flops
-from stem_megatron.flops import DENSE, Arch, FlopsError, Variant
+from stem_megatron.flops.arch import (HF_FIELDS, Arch, FlopsError, arch_from_hf, arch_from_model_config, expand_models,
+                                      load_arch)
+from stem_megatron.flops.cli import main
+from stem_megatron.flops.counts import exact_layer_saving_fraction, forward_flops, training_flops
+from stem_megatron.flops.paper import paper_layer_train_flops, paper_saving_fraction, table1
+from stem_megatron.flops.params import analytic_parameters
+from stem_megatron.flops.roi import load_results, training_roi
+from stem_megatron.flops.variants import DENSE, Variant, parse_variant, to_stem_config
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -25,9 +31,9 @@ OURS_PERCENT = {**PAPER_PERCENT, "qwen2.5_3b": 22.3}
 
 @pytest.mark.parametrize("preset", sorted(PAPER_PERCENT))
 def test_qwen_saving_fractions(preset):
-    arch = flops.load_arch(preset)
+    arch = load_arch(preset)
     assert arch.seq_length == 4096
-    fraction = flops.paper_saving_fraction(arch.hidden_size, arch.ffn_hidden_size, 4096)
+    fraction = paper_saving_fraction(arch.hidden_size, arch.ffn_hidden_size, 4096)
     assert round(100 * float(fraction), 1) == OURS_PERCENT[preset]
     if preset != "qwen2.5_3b":
         assert round(100 * float(fraction), 1) == PAPER_PERCENT[preset]
@@ -36,15 +42,15 @@ def test_qwen_saving_fractions(preset):
 def test_qwen_3b_paper_value_is_not_reachable():
     """22.8% needs d_ff/(4d+2L+3d_ff) = 0.228: with the 3B's d=2048, d_ff=11008 that is L~3532, not a
     context anyone uses; none of the usual ones reproduces it. A typo for 22.3% is the simplest reading."""
-    arch = flops.load_arch("qwen2.5_3b")
+    arch = load_arch("qwen2.5_3b")
     for L in (2048, 4096, 8192, 32768):
-        assert round(100 * float(flops.paper_saving_fraction(arch.hidden_size, arch.ffn_hidden_size, L)), 1) != 22.8
+        assert round(100 * float(paper_saving_fraction(arch.hidden_size, arch.ffn_hidden_size, L)), 1) != 22.8
 
 
 def test_qwen_presets_match_the_public_configs():
     shapes = {name: (a.hidden_size, a.ffn_hidden_size, a.num_layers, a.num_attention_heads, a.num_kv_heads,
                      a.vocab_size, a.head_dim)
-              for name in PAPER_PERCENT for a in [flops.load_arch(name)]}
+              for name in PAPER_PERCENT for a in [load_arch(name)]}
     assert shapes == {
         "qwen2.5_1.5b": (1536, 8960, 28, 12, 2, 151936, 128),
         "qwen2.5_3b": (2048, 11008, 36, 16, 2, 151936, 128),
@@ -58,16 +64,16 @@ def test_exact_layer_fraction_is_the_paper_formula_for_multi_head_attention():
     """With kv heads = heads and h*d_head = d the exact one-layer count reduces to d_ff/(4d+2L+3d_ff)."""
     for d, d_ff, heads, L in ((1536, 8960, 12, 4096), (960, 2560, 15, 2048), (64, 192, 4, 7)):
         arch = Arch("mha", d, d_ff, 2, heads, heads, 1000, d // heads)
-        assert flops.exact_layer_saving_fraction(arch, L) == flops.paper_saving_fraction(d, d_ff, L)
-    gqa = flops.load_arch("qwen2.5_7b")  # fewer k/v FLOPs -> a larger share for the FFN
-    assert flops.exact_layer_saving_fraction(gqa, 4096) > flops.paper_saving_fraction(3584, 18944, 4096)
+        assert exact_layer_saving_fraction(arch, L) == paper_saving_fraction(d, d_ff, L)
+    gqa = load_arch("qwen2.5_7b")  # fewer k/v FLOPs -> a larger share for the FFN
+    assert exact_layer_saving_fraction(gqa, 4096) > paper_saving_fraction(3584, 18944, 4096)
 
 
 # -- Table 1 ----------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("d, d_ff, L, B", [(960, 2560, 2048, 1), (2048, 8192, 4096, 8), (7, 11, 13, 3)])
 def test_table1_savings(d, d_ff, L, B):
-    t = flops.table1(d, d_ff, L, B)
+    t = table1(d, d_ff, L, B)
     p = t["prefill_training_flops"]
     assert p["ffn"] == B * (3 * d_ff * d * L + d_ff * L)
     assert p["stem"] == B * (2 * d_ff * d * L + d_ff * L)
@@ -76,34 +82,34 @@ def test_table1_savings(d, d_ff, L, B):
     assert (m["ffn"], m["stem"], m["saving"]) == (3 * d * d_ff, 2 * d * d_ff, d * d_ff)
     assert t["communication"]["prefill_training"]["stem"] == "uniq(BL) d_ff"
     assert t["communication"]["decoding"]["stem"] == "B_uniq d_ff"
-    base, stem = flops.paper_layer_train_flops(d, d_ff, L, B).values()
+    base, stem = paper_layer_train_flops(d, d_ff, L, B).values()
     assert base - stem == B * d * d_ff * L
 
 
 def test_exact_saving_is_table1_saving_times_six_per_replaced_layer():
     """Whole model, training: 2 FLOPs per MAC x 3 (forward + backward) x B d d_ff L per STEM layer."""
-    arch = flops.load_arch("llama3.2_1b")
+    arch = load_arch("llama3.2_1b")
     L, B = 1024, 2
     for ratio, n in (("1/3", 5), ("1/2", 8), ("full", 15), ("all", 16)):
         v = Variant("stem", ratio)
         assert len(v.replaced(arch.num_layers)) == n
-        saving = (flops.training_flops(arch, L, DENSE, B)["total"] - flops.training_flops(arch, L, v, B)["total"])
-        assert saving == 6 * n * flops.table1(arch.hidden_size, arch.ffn_hidden_size, L, B)[
+        saving = (training_flops(arch, L, DENSE, B)["total"] - training_flops(arch, L, v, B)["total"])
+        assert saving == 6 * n * table1(arch.hidden_size, arch.ffn_hidden_size, L, B)[
             "prefill_training_flops"]["saving"]
 
 
 def test_exact_count_matches_the_benchmark_doc():
     """docs/benchmarks.md (FlopCounterMode on the bench model): 39.32 MFLOP/token dense, ratios 47/50, 17/20."""
     arch = Arch("bench", 256, 768, 6, 4, 4, 4096, 64)
-    dense = flops.training_flops(arch, 128)["total"]
+    dense = training_flops(arch, 128)["total"]
     assert dense == 128 * 39_321_600
     for ratio, expected in (("1/3", Fraction(47, 50)), ("full", Fraction(17, 20))):
-        assert Fraction(flops.training_flops(arch, 128, Variant("stem", ratio))["total"], dense) == expected
+        assert Fraction(training_flops(arch, 128, Variant("stem", ratio))["total"], dense) == expected
 
 
 # -- config loading and errors ----------------------------------------------------------------------
 
-@pytest.mark.parametrize("missing", flops.HF_FIELDS)
+@pytest.mark.parametrize("missing", HF_FIELDS)
 def test_missing_hf_field_is_named(tmp_path, missing):
     cfg = {"hidden_size": 64, "intermediate_size": 192, "num_hidden_layers": 2, "num_attention_heads": 4,
            "num_key_value_heads": 2, "vocab_size": 100}
@@ -111,7 +117,7 @@ def test_missing_hf_field_is_named(tmp_path, missing):
     path = tmp_path / "config.json"
     path.write_text(json.dumps(cfg))
     with pytest.raises(FlopsError, match=f"'{missing}'"):
-        flops.load_arch(str(path))
+        load_arch(str(path))
 
 
 def test_cli_error_names_the_field(tmp_path, capsys):
@@ -119,7 +125,7 @@ def test_cli_error_names_the_field(tmp_path, capsys):
     path.write_text(json.dumps({"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
                                 "num_key_value_heads": 2, "vocab_size": 100}))
     with pytest.raises(SystemExit) as e:
-        flops.main([str(path), "--json"])
+        main([str(path), "--json"])
     assert e.value.code == 2
     assert "'intermediate_size'" in capsys.readouterr().err
 
@@ -128,44 +134,44 @@ def test_bad_fields(tmp_path):
     good = {"hidden_size": 64, "intermediate_size": 192, "num_hidden_layers": 2, "num_attention_heads": 4,
             "num_key_value_heads": 2, "vocab_size": 100}
     with pytest.raises(FlopsError, match="'num_key_value_heads'=3"):
-        flops.arch_from_hf({**good, "num_key_value_heads": 3})
+        arch_from_hf({**good, "num_key_value_heads": 3})
     with pytest.raises(FlopsError, match="'hidden_size' must be a positive integer"):
-        flops.arch_from_hf({**good, "hidden_size": "64"})
+        arch_from_hf({**good, "hidden_size": "64"})
     with pytest.raises(FlopsError, match="unknown model"):
-        flops.load_arch("no_such_preset")
-    hf = flops.arch_from_hf({**good, "head_dim": 32})  # Qwen3-style explicit head_dim
+        load_arch("no_such_preset")
+    hf = arch_from_hf({**good, "head_dim": 32})  # Qwen3-style explicit head_dim
     assert (hf.q_dim, hf.kv_dim) == (128, 64)
 
 
 def test_repo_model_presets_load():
-    arch = flops.load_arch("mobilellm_350m")
+    arch = load_arch("mobilellm_350m")
     assert (arch.num_layers, arch.hidden_size, arch.num_kv_heads, arch.head_dim, arch.seq_length) == \
         (32, 960, 5, 64, 2048)
-    assert flops.load_arch("tiny").num_kv_heads == 4  # num_query_groups unset: multi-head
-    assert flops.expand_models(["qwen2.5_*"]) == [f"qwen2.5_{s}" for s in ("1.5b", "3b", "7b", "14b", "32b")]
+    assert load_arch("tiny").num_kv_heads == 4  # num_query_groups unset: multi-head
+    assert expand_models(["qwen2.5_*"]) == [f"qwen2.5_{s}" for s in ("1.5b", "3b", "7b", "14b", "32b")]
 
 
 def test_variant_parsing():
-    assert flops.parse_variant("stem_full") == Variant("stem", "full")  # recipes/variant/stem_full.yaml
-    assert flops.parse_variant("stem-1/2") == Variant("stem", "1/2")
-    assert flops.parse_variant("dense") == DENSE
-    assert flops.parse_variant("hash_moe").num_experts == 16
+    assert parse_variant("stem_full") == Variant("stem", "full")  # recipes/variant/stem_full.yaml
+    assert parse_variant("stem-1/2") == Variant("stem", "1/2")
+    assert parse_variant("dense") == DENSE
+    assert parse_variant("hash_moe").num_experts == 16
     with pytest.raises(FlopsError, match="variant"):
-        flops.parse_variant("moe-1/3")
+        parse_variant("moe-1/3")
 
 
 # -- parameters -------------------------------------------------------------------------------------
 
 def test_analytic_parameters_match_the_megatron_counts_in_docs():
     """Exact counts from docs/param_counts.md (megatron GPTModel on the meta device)."""
-    m350, m1b = flops.load_arch("mobilellm_350m"), flops.load_arch("llama3.2_1b")
-    assert flops.analytic_parameters(m350)["total"] == 376_075_200
-    stem = flops.analytic_parameters(m350, Variant("stem", "1/3"))
+    m350, m1b = load_arch("mobilellm_350m"), load_arch("llama3.2_1b")
+    assert analytic_parameters(m350)["total"] == 376_075_200
+    stem = analytic_parameters(m350, Variant("stem", "1/3"))
     assert (stem["total"], stem["tables"]) == (1_170_699_200, 819_200_000)
-    assert flops.analytic_parameters(m350, Variant("stem", "full"))["total"] == 2_839_409_600
-    assert flops.analytic_parameters(m350, Variant("stem_dagger", "1/3"))["total"] == 1_195_275_200
-    assert flops.analytic_parameters(m1b)["total"] == 1_498_482_688
-    c = flops.analytic_parameters(m1b, Variant("stem", "1/3"))
+    assert analytic_parameters(m350, Variant("stem", "full"))["total"] == 2_839_409_600
+    assert analytic_parameters(m350, Variant("stem_dagger", "1/3"))["total"] == 1_195_275_200
+    assert analytic_parameters(m1b)["total"] == 1_498_482_688
+    c = analytic_parameters(m1b, Variant("stem", "1/3"))
     assert (c["total"], c["tables"]) == (6_667_962_368, 5_253_365_760)
 
 
@@ -185,7 +191,7 @@ def test_roi_reproduces_table3(tmp_path):
     lines = ["model,group,avg,tokens,gflops_per_token,baseline"]
     lines += [f"{n},{g},{a},1e11,{f},{n == 'Baseline'}" for n, g, a, f, _ in TABLE3]
     path.write_text("\n".join(lines) + "\n")
-    rows = flops.training_roi(flops.load_results(path))
+    rows = training_roi(load_results(path))
     assert [round(r["roi_normalised"], 2) for r in rows] == [roi for *_, roi in TABLE3]
     assert {r["group"]: r["baseline"] for r in rows} == {"350M": "Baseline", "1B": "Baseline"}
 
@@ -198,17 +204,17 @@ def test_roi_from_presets(tmp_path):
              "variant": "stem", "ratio": "1/3"}]
     path = tmp_path / "results.json"
     path.write_text(json.dumps(rows))
-    out = flops.training_roi(flops.load_results(path))
-    arch = flops.load_arch("mobilellm_350m")
-    f_dense = flops.training_flops(arch, 2048)["total"]
-    f_stem = flops.training_flops(arch, 2048, Variant("stem", "1/3"))["total"]
+    out = training_roi(load_results(path))
+    arch = load_arch("mobilellm_350m")
+    f_dense = training_flops(arch, 2048)["total"]
+    f_stem = training_flops(arch, 2048, Variant("stem", "1/3"))["total"]
     assert out[0]["roi_normalised"] == 1.0
     assert out[1]["roi_normalised"] == pytest.approx(51 / 50 * f_dense / f_stem, rel=1e-12)
     assert out[1]["training_flops"] == pytest.approx(1e9 * f_stem / 2048, rel=1e-12)
     rows[0].pop("avg_accuracy")
     path.write_text(json.dumps(rows))
     with pytest.raises(FlopsError, match="'avg_accuracy'"):
-        flops.training_roi(flops.load_results(path))
+        training_roi(load_results(path))
 
 
 def test_roi_with_exact_flops_table_in_docs(tmp_path):
@@ -227,7 +233,7 @@ def test_roi_with_exact_flops_table_in_docs(tmp_path):
     path = tmp_path / "r.json"
     path.write_text(json.dumps([{"name": n, "avg": a, "tokens": 1e11, "preset": p, "variant": v}
                                 for n, a, p, v, _ in rows]))
-    out = flops.training_roi(flops.load_results(path))
+    out = training_roi(load_results(path))
     assert [round(r["roi_normalised"], 2) for r in out] == [roi for *_, roi in rows]
 
 
@@ -235,8 +241,8 @@ def test_roi_needs_a_baseline(tmp_path):
     path = tmp_path / "r.json"
     path.write_text(json.dumps([{"name": "a", "avg": 50, "training_flops": 1e20, "group": "g"}]))
     with pytest.raises(FlopsError, match="no baseline"):
-        flops.training_roi(flops.load_results(path))
-    assert flops.training_roi(flops.load_results(path), baseline="a")[0]["roi_normalised"] == 1.0
+        training_roi(load_results(path))
+    assert training_roi(load_results(path), baseline="a")[0]["roi_normalised"] == 1.0
 
 
 # -- against FlopCounterMode on a real megatron GPTModel (one spawned process) ----------------------
@@ -262,7 +268,7 @@ def _count_with_flop_counter(cases, model_fields, batch):
     for variant in cases:
         if variant.ratio == "all":
             variant = Variant(variant.variant, layers=tuple(range(model.num_layers)))
-        stem = flops.to_stem_config(variant)
+        stem = to_stem_config(variant)
         gpt = build_gpt(model, stem, transformer_config(model, ParallelConfig(), on_gpu=False, stem=stem),
                         pre_process=True, post_process=True)
         tokens = torch.randint(0, model.vocab_size, (batch, model.seq_length),
@@ -290,11 +296,11 @@ def counted():
 @pytest.mark.slow
 @pytest.mark.parametrize("i", range(len(FLOP_CASES)), ids=[v.label for v in FLOP_CASES])
 def test_exact_count_equals_flop_counter(counted, i):
-    arch = flops.arch_from_model_config(TINY)
+    arch = arch_from_model_config(TINY)
     variant = FLOP_CASES[i]
     L = TINY["seq_length"]
-    assert counted[i]["forward"] == flops.forward_flops(arch, L, variant, BATCH)["total"]
-    assert counted[i]["training"] == flops.training_flops(arch, L, variant, BATCH)["total"]
+    assert counted[i]["forward"] == forward_flops(arch, L, variant, BATCH)["total"]
+    assert counted[i]["training"] == training_flops(arch, L, variant, BATCH)["total"]
     assert counted[i]["ops"] == ["aten.baddbmm", "aten.bmm", "aten.mm"]  # nothing else is a matmul here
 
 

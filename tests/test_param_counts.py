@@ -40,7 +40,7 @@ def _model(preset: str) -> ModelConfig:
 
 
 def _count_all() -> dict:
-    from stem_megatron.model.params import count_parameters
+    from stem_megatron.flops.params import count_parameters
 
     out = {}
     for preset, variant, ratio in CASES:

@@ -17,13 +17,8 @@ import pytest
 
 from stem_megatron.config import ModelConfig, RunConfig, STEMConfig
 from stem_megatron.training.spikes import SpikeDetector
-from stem_megatron.training.tracking import (
-    WandbTracker,
-    device_peak_tflops,
-    inspect_offline_run,
-    model_flops_per_token,
-    throughput_metrics,
-)
+from stem_megatron.flops.mfu import device_peak_tflops, model_flops_per_token, throughput_metrics
+from stem_megatron.training.wandb_run import WandbTracker, inspect_offline_run
 
 REPO = Path(__file__).resolve().parents[1]
 SPIKE_STEPS = (30, 45)

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """FLOPs / parameters / training ROI of STEM vs dense models: a thin wrapper of ``stem-flops``.
 
-Same arguments as ``stem-flops`` (``stem_megatron.flops.main``); see docs/flops.md. Example:
+Same arguments as ``stem-flops`` (``stem_megatron.flops.cli.main``); see docs/flops.md. Example:
 ``.venv/bin/python tools/estimate_flops.py 'qwen2.5_*' --ratio all``.
 """
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from stem_megatron.flops import main
+from stem_megatron.flops.cli import main
 
 if __name__ == "__main__":
     main()

@@ -22,12 +22,8 @@ from stem_megatron.training.setup import Trainer, setup_model
 from stem_megatron.training.spikes import SpikeDetector
 from stem_megatron.training.step import train_step
 from stem_megatron.training.validation import check_size, validation_loss
-from stem_megatron.training.tracking import (
-    WandbTracker,
-    device_peak_tflops,
-    model_flops_per_token,
-    throughput_metrics,
-)
+from stem_megatron.flops.mfu import device_peak_tflops, model_flops_per_token, throughput_metrics
+from stem_megatron.training.wandb_run import WandbTracker
 
 
 def run(cfg: RunConfig) -> list[dict]:

@@ -1,0 +1,131 @@
+"""``stem-flops``: FLOPs, parameters and training ROI of STEM vs dense SwiGLU transformers from the
+command line. Run ``stem-flops --help``; see docs/flops.md."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import Any
+
+from stem_megatron.flops.arch import (DEFAULT_SEQ_LENGTH, REPO, FlopsError, expand_models, list_presets, load_arch,
+                                      natural_key)
+from stem_megatron.flops.params import analytic_parameters, megatron_parameters
+from stem_megatron.flops.report import estimate, print_report, print_summary
+from stem_megatron.flops.roi import load_results, print_roi, training_roi
+from stem_megatron.flops.variants import DENSE, Variant, parse_variant
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="stem-flops",
+        description="FLOPs, parameters and training ROI of STEM vs dense SwiGLU transformers "
+                    "(paper Table 1, §3.1, Table 3). See docs/flops.md.")
+    parser.add_argument("models", nargs="*",
+                        help="preset names (recipes/flops, recipes/model), globs over them ('qwen2.5_*'), "
+                             "or paths to an HF config.json / YAML")
+    parser.add_argument("-L", "--seq-len", type=int, default=None,
+                        help=f"context length L (default: the preset's seq_length, else {DEFAULT_SEQ_LENGTH})")
+    parser.add_argument("-B", "--batch", type=int, default=1, help="sequences per batch B (default 1)")
+    parser.add_argument("--variant", default="stem",
+                        help="dense | stem | stem_dagger | stem_gate | hash_moe, optionally with -RATIO "
+                             "(stem-1/2), or a recipes/variant name (stem_full). Default: stem")
+    parser.add_argument("--ratio", default=None,
+                        help="replaced-layer plan: 1/3 | 1/2 | full (all but layer 0) | all (every layer, "
+                             "as §3.1 assumes). Default: from --variant, else 1/3")
+    parser.add_argument("--layers", default=None, help="explicit 0-based replaced layers, comma separated")
+    parser.add_argument("--num-experts", type=int, default=None, help="hash_moe: experts per replaced layer")
+    parser.add_argument("--expert-ffn", type=int, default=None, help="hash_moe: expert d_ff (default d_ff)")
+    parser.add_argument("--params", action="store_true",
+                        help="also count parameters of the megatron-core model this repo builds "
+                             "(starts megatron as a world of one; a few seconds)")
+    parser.add_argument("--roi", metavar="RESULTS", default=None,
+                        help="training ROI from a results JSON/CSV (name, avg_accuracy, training_tokens, "
+                             "preset, variant[, ratio, group, baseline, gflops_per_token, training_flops])")
+    parser.add_argument("--baseline", default=None, help="ROI: normalise every row to this row name")
+    parser.add_argument("--list", action="store_true", help="list the presets and exit")
+    parser.add_argument("--json", action="store_true", help="print one JSON document")
+    return parser
+
+
+def _variant_from_args(args) -> Variant:
+    """--variant, then --ratio / --layers / --num-experts / --expert-ffn override its fields."""
+    variant = parse_variant(args.variant)
+    if args.ratio is not None and variant.variant != "dense":
+        variant = replace(variant, ratio=args.ratio)
+    if args.layers is not None:
+        try:
+            layers = tuple(int(x) for x in args.layers.split(",") if x.strip())
+        except ValueError:
+            raise FlopsError(f"--layers {args.layers!r}: expected comma-separated integers") from None
+        variant = replace(variant, layers=layers)
+    if args.num_experts is not None:
+        variant = replace(variant, num_experts=args.num_experts)
+    if args.expert_ffn is not None:
+        variant = replace(variant, expert_ffn_hidden_size=args.expert_ffn)
+    return variant
+
+
+def run(argv: Sequence[str] | None = None) -> dict:
+    """Parse ``argv``, compute, print (text or JSON) and return the JSON-ready result."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.list:
+        presets = {name: str(path.relative_to(REPO))
+                   for name, path in sorted(list_presets().items(), key=lambda kv: natural_key(kv[0]))}
+        if args.json:
+            print(json.dumps({"presets": presets}, indent=2))
+        else:
+            for name, path in presets.items():
+                print(f"{name:<20}{path}")
+        return {"presets": presets}
+    if not args.models and not args.roi:
+        parser.error("give at least one model (preset, glob or config path), --roi RESULTS, or --list")
+    if args.seq_len is not None and args.seq_len < 1:
+        parser.error("--seq-len must be >= 1")
+    if args.batch < 1:
+        parser.error("--batch must be >= 1")
+    result: dict[str, Any] = {}
+    variant = _variant_from_args(args)
+    archs = [load_arch(spec) for spec in expand_models(args.models)]
+    reports = [estimate(arch, variant, args.seq_len, args.batch) for arch in archs]
+    if args.params and archs:
+        counted = megatron_parameters([(a, v) for a in archs for v in (DENSE, variant)])
+        for i, rep in enumerate(reports):
+            dense_c, var_c = counted[2 * i], counted[2 * i + 1]
+            rep["parameters"]["megatron"] = {"dense": dense_c, variant.label: var_c}
+            # the analytic count of the same architecture (untied, no biases) must agree exactly
+            rep["megatron_matches_analytic"] = all(
+                {k: analytic_parameters(archs[i], v, tied=False, qkv_bias=False)[k]
+                 for k in ("total", "tables", "active")} == {k: c[k] for k in ("total", "tables", "active")}
+                for v, c in ((DENSE, dense_c), (variant, var_c)))
+    if reports:
+        result["models"] = reports
+    if args.roi:
+        result["roi"] = training_roi(load_results(args.roi), args.baseline, args.seq_len)
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        for rep in reports:
+            print_report(rep)
+            if rep.get("megatron_matches_analytic") is False:
+                print("   warning: the megatron count differs from the analytic count of the model as built "
+                      "(untied, no biases)")
+        if len(reports) > 1:
+            print_summary(reports)
+        if "roi" in result:
+            if reports:
+                print()
+            print_roi(result["roi"])
+    return result
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """``stem-flops``: bad input is a one-line error and exit status 2, not a traceback."""
+    try:
+        run(argv)
+    except FlopsError as e:
+        print(f"stem-flops: error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
