@@ -18,6 +18,7 @@
 
 set -euo pipefail
 : "${SLURM_JOB_ID:?not inside a SLURM job: submit with sbatch (see docs/cluster.md)}"
+REPO=$(cd "$REPO" && pwd)
 cd "$REPO"
 
 # ---- processes and software ----------------------------------------------------------------------------

@@ -43,12 +43,6 @@ DEFAULTS=(+experiment=pretrain_350m "variant=$VARIANT")
 # sbatch runs a copy of this script: find the repository (STEM_REPO, the submit directory, or the
 # directory of the submitted script) and hand over to the shared launcher.
 submitted=$(scontrol show job "${SLURM_JOB_ID:-0}" 2>/dev/null | sed -n 's/^ *Command=\([^ ]*\).*/\1/p' | head -n1)
-for REPO in "${STEM_REPO:-}" "${SLURM_SUBMIT_DIR:-}" "$(dirname "${submitted:-.}")/.." "$(dirname "$0")/.."; do
-  [ -f "$REPO/slurm/_launch.sh" ] && break
-done
-if [ ! -f "$REPO/slurm/_launch.sh" ]; then
-  echo "error: cannot find the repository; set STEM_REPO=/path/to/repo" >&2
-  exit 2
-fi
-REPO=$(cd "$REPO" && pwd)
-source "$REPO/slurm/_launch.sh"
+candidates=("${STEM_REPO:-}" "${SLURM_SUBMIT_DIR:-}" "$(dirname "${submitted:-.}")/.." "$(dirname "$0")/.." "")
+for REPO in "${candidates[@]}"; do [ -f "$REPO/slurm/_launch.sh" ] && break; done
+source "${REPO:?cannot find the repository: set STEM_REPO=/path/to/repo}/slurm/_launch.sh"

@@ -25,6 +25,8 @@ from typing import Optional
 
 import torch.distributed as dist
 
+from stem_megatron.durable import fsync_dir, write_synced
+
 MANIFEST = "manifest.json"
 LATEST = "latest"
 _STEP_DIR = re.compile(r"^step_(\d{6,})$")
@@ -73,14 +75,6 @@ def _checksums(directory: Path, sync: bool) -> dict[str, list[int]]:
     return {k: v for part in parts for k, v in sorted(part.items())}
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def commit(staging: Path, step: int, meta: dict, keep: int) -> Path:
     """Seal the staging directory as ``step_<step>`` and point ``latest`` at it (collective).
 
@@ -92,8 +86,8 @@ def commit(staging: Path, step: int, meta: dict, keep: int) -> Path:
     final = root / step_name(step)
     if dist.get_rank() == 0:
         for sub in sorted({p.parent for p in staging.rglob("*")} | {staging}, key=lambda p: -len(p.parts)):
-            _fsync_dir(sub)
-        _write_synced(staging / MANIFEST, json.dumps({"step": step, "files": files, **meta}, indent=1))
+            fsync_dir(sub)
+        write_synced(staging / MANIFEST, json.dumps({"step": step, "files": files, **meta}, indent=1))
         if final.exists():  # re-saving a step (e.g. after a resume): keep the old one until the swap
             old = root / f".old-{final.name}"
             shutil.rmtree(old, ignore_errors=True)
@@ -102,22 +96,15 @@ def commit(staging: Path, step: int, meta: dict, keep: int) -> Path:
             shutil.rmtree(old)
         else:
             staging.rename(final)
-        _fsync_dir(root)
-        _write_synced(root / f".{LATEST}.tmp", final.name + "\n")
+        fsync_dir(root)
+        write_synced(root / f".{LATEST}.tmp", final.name + "\n")
         os.replace(root / f".{LATEST}.tmp", root / LATEST)
-        _fsync_dir(root)
+        fsync_dir(root)
         if keep > 0:
             for old in complete_checkpoints(root)[:-keep]:
                 shutil.rmtree(old)
     dist.barrier()
     return final
-
-
-def _write_synced(path: Path, text: str) -> None:
-    with open(path, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
 
 
 def complete_checkpoints(root: Path) -> list[Path]:

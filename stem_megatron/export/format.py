@@ -28,6 +28,7 @@ import torch
 from omegaconf.errors import OmegaConfBaseException
 
 from stem_megatron.config import RunConfig, to_run_config
+from stem_megatron.durable import fsync_dir, write_synced
 from stem_megatron.export.single_process import parameter_shapes
 
 FORMAT = "stem-megatron-export-v1"
@@ -63,7 +64,7 @@ def write_export(out_dir, run_config: RunConfig, weights: Mapping[str, torch.Ten
         if run_config.stem.variant == "hash_moe" and hash_map.startswith(_FREQUENCY):
             _copy(Path(hash_map[len(_FREQUENCY):]), tmp / HASH_COUNTS)
             config["stem"]["hash_map"] = _FREQUENCY + HASH_COUNTS  # resolved against the export by read_export
-        _write_bytes(tmp / CONFIG, json.dumps(config, indent=2).encode())
+        write_synced(tmp / CONFIG, json.dumps(config, indent=2).encode())
         payload = {"format": FORMAT, "weights": {name: _compact(t) for name, t in weights.items()}}
         with open(tmp / WEIGHTS, "wb") as f:
             torch.save(payload, f)
@@ -71,9 +72,9 @@ def write_export(out_dir, run_config: RunConfig, weights: Mapping[str, torch.Ten
             os.fsync(f.fileno())
         if tokenizer is not None:
             _copy(tokenizer, tmp / TOKENIZER)
-        _fsync_dir(tmp)
+        fsync_dir(tmp)
         os.rename(tmp, out)
-        _fsync_dir(out.parent)
+        fsync_dir(out.parent)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -142,22 +143,7 @@ def _compact(t: torch.Tensor) -> torch.Tensor:
     return t.clone() if t.untyped_storage().nbytes() != t.nbytes or not t.is_contiguous() else t
 
 
-def _write_bytes(path: Path, data: bytes) -> None:
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-
-
 def _copy(src: Path, dst: Path) -> None:
     if not src.is_file():
         raise FileNotFoundError(f"{src} does not exist (needed in the export as {dst.name})")
-    _write_bytes(dst, src.read_bytes())
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    write_synced(dst, src.read_bytes())
