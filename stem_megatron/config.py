@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Optional
 
 import torch
+from omegaconf import OmegaConf
 
 from stem_megatron.data.integrity import check_indexed_dataset
 from stem_megatron.layer_plan import RATIOS, VARIANTS, stem_layer_indices
