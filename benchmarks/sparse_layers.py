@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import functools
 import inspect
 import json
@@ -210,7 +211,7 @@ def _bench(cfgs: dict, rounds: int, warmup: int, corpus: str) -> dict:
     from megatron.core import parallel_state
 
     from stem_megatron.model.hash_moe import take_moe_stats
-    from stem_megatron.host_tables.prefetch import RowPrefetcher
+    from stem_megatron.training.data_stream import with_rows
     from stem_megatron.training.setup import setup_model
     from stem_megatron.training.step import train_step
 
@@ -218,12 +219,11 @@ def _bench(cfgs: dict, rounds: int, warmup: int, corpus: str) -> dict:
     trainers = {name: setup_model(cfg) for name, cfg in cfgs.items()}
     dp, dp_rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
     n_micro = GLOBAL_BATCH // (MICRO_BATCH * dp)
-    data = {}
-    for name, trainer in trainers.items():
-        samples = next(iter(cfgs.values())).train.steps * GLOBAL_BATCH
-        data[name] = _batches(Path(corpus), dp_rank, dp, n_micro, samples)  # the same batches for every variant
-        if trainer.store is not None:
-            data[name] = RowPrefetcher(data[name], trainer.store, n_micro)
+    samples = next(iter(cfgs.values())).train.steps * GLOBAL_BATCH
+    streams, data = contextlib.ExitStack(), {}
+    for name, trainer in trainers.items():  # the same batches for every variant
+        data[name] = streams.enter_context(
+            with_rows(_batches(Path(corpus), dp_rank, dp, n_micro, samples), trainer.store, n_micro))
     out = {name: {"static": _static(t), "times": [], "stem_sync_bytes": [], "stem_bytes_to_device": [],
                   "moe_all_to_all_bytes": [], "loss": []} for name, t in trainers.items()}
     names = list(trainers)
@@ -247,9 +247,7 @@ def _bench(cfgs: dict, rounds: int, warmup: int, corpus: str) -> dict:
                     rec["stem_bytes_to_device"].append(stem.get("stem_bytes_to_device", 0))
                     rec["moe_all_to_all_bytes"].append(moe.get("moe_all_to_all_bytes", 0))
     finally:
-        for it in data.values():
-            if isinstance(it, RowPrefetcher):
-                it.close()
+        streams.close()
     for name in names:
         out[name]["observed"] = {op: b / rounds for (v, op), b in tally.bytes.items() if v == name}
         out[name]["observed_calls"] = {op: c / rounds for (v, op), c in tally.calls.items() if v == name}

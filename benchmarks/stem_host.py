@@ -119,7 +119,7 @@ def adam_costs(memcpy_GBps: float, vocab=32000, cols=2560, unique=7000) -> dict:
 
 def step_time(steps: int = 12) -> dict:
     """One process: the same model with U_l on the device vs in the host store, steps interleaved."""
-    from stem_megatron.host_tables.prefetch import RowPrefetcher
+    from stem_megatron.training.data_stream import with_rows
     from stem_megatron.training.setup import setup_model
     from stem_megatron.training.step import train_step
 
@@ -135,14 +135,15 @@ def step_time(steps: int = 12) -> dict:
             s = torch.randint(0, model.vocab_size, (8, model.seq_length + 1), generator=g)
             yield {"tokens": s[:, :-1], "labels": s[:, 1:]}
 
-    data = {"device": batches(), "host": RowPrefetcher(batches(), trainers["host"].store, 2)}
-    fns = {p: (lambda p=p: train_step(trainers[p], data[p], 2, 8, model.seq_length, model.vocab_size))
-           for p in trainers}
-    t = side_by_side(fns, rounds=steps)
-    stats = trainers["host"].store.take_stats()
-    data["host"].close()
+    with with_rows(batches(), trainers["host"].store, 2) as host_data:
+        data = {"device": batches(), "host": host_data}
+        fns = {p: (lambda p=p: train_step(trainers[p], data[p], 2, 8, model.seq_length, model.vocab_size))
+               for p in trainers}
+        t = side_by_side(fns, rounds=steps)
+        stats = trainers["host"].store.take_stats()
+        waited = host_data.take_wait_s()
     return {"seconds": t, "host_vs_device": t["host"] / t["device"], "tokens_per_step": 16 * model.seq_length,
-            "prefetch_wait_s_total": data["host"].take_wait_s(), "cpu_adam_s_last_steps": stats["stem_cpu_adam_s"]}
+            "prefetch_wait_s_total": waited, "cpu_adam_s_last_steps": stats["stem_cpu_adam_s"]}
 
 
 def comm_bytes(corpus: Path, d=2048, d_ff=8192, global_batch=512, seq=4096, dp=8) -> dict:
