@@ -64,7 +64,8 @@ def train(out: Path, overrides: list[str], steps: int = 100) -> Path:
 def score(export: Path, pairs: int = 50) -> dict:
     """Fact recall and edit rates of an export trained by ``train`` (in the main thread: megatron's CPU
     redirection is per thread)."""
-    from stem_megatron.data.facts import Facts, edit_success, fact_recall
+    from stem_megatron.data.facts import Facts
+    from stem_megatron.eval.facts import edit_success, fact_recall
     from stem_megatron.inference.model import InferenceModel
 
     model = InferenceModel(export, device="cpu")

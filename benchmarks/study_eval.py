@@ -4,7 +4,7 @@ Measures, on the run's single-process export:
 * held-out next-token NLL and top-1 accuracy on the corpus' validation split (the "accuracy" of the
   study's Training ROI, standing in for the paper's downstream average);
 * fact recall: share of the synthetic subjects whose top-1 continuation of "The capital of X is" is
-  their answer (``stem_megatron.data.facts``);
+  their answer (``stem_megatron.eval.facts``);
 * for STEM variants, knowledge-edit success: swap two recalled subjects' rows at every STEM layer and
   count prompts that now give the other subject's answer;
 * parameters (total, active per token) and training FLOPs (tokens x FLOPs/token, ``stem_megatron.flops``).
@@ -18,12 +18,15 @@ import argparse
 import json
 from pathlib import Path
 
-from stem_megatron import flops
-from stem_megatron.data.facts import Facts, edit_success, fact_recall
+from stem_megatron.data.facts import Facts
+from stem_megatron.eval.facts import edit_success, fact_recall
 from stem_megatron.eval.perplexity import held_out_perplexity
+from stem_megatron.flops.arch import arch_from_model_config
+from stem_megatron.flops.mfu import model_flops_per_token
+from stem_megatron.flops.params import analytic_parameters
+from stem_megatron.flops.variants import variant_from_stem_config
 from stem_megatron.inference.model import InferenceModel
 from stem_megatron.model.stem_mlp import STEM_VARIANTS
-from stem_megatron.training.tracking import model_flops_per_token
 
 
 def evaluate(run_dir: Path, facts_prefix: Path, valid_windows: int, edit_pairs: int) -> dict:
@@ -36,8 +39,8 @@ def evaluate(run_dir: Path, facts_prefix: Path, valid_windows: int, edit_pairs: 
     stem = config["stem"]
     edit = (edit_success(model, facts, recall["recalled"], pairs=edit_pairs) if stem["variant"] in STEM_VARIANTS
             else {"edit_success": None, "edit_flips": None, "edit_stays": None, "pairs": 0})
-    arch = flops.arch_from_model_config(config["model"])
-    params = flops.analytic_parameters(arch, flops.variant_from_stem_config(stem), tied=False, qkv_bias=False)
+    arch = arch_from_model_config(config["model"])
+    params = analytic_parameters(arch, variant_from_stem_config(stem), tied=False, qkv_bias=False)
     train = config["train"]
     tokens = train["steps"] * train["global_batch_size"] * config["model"]["seq_length"]
     per_token = model_flops_per_token(config["model"], stem)

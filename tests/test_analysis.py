@@ -13,13 +13,11 @@ from pathlib import Path
 import distributed
 import numpy as np
 import pytest
-import torch
 from conftest import VOCAB
-
-from stem_megatron.config import DataConfig, ModelConfig, RunConfig, STEMConfig
+from tiny_export import D_FF, tiny_config, write_tiny_export
 
 ROOT = Path(__file__).resolve().parents[1]
-SEQ, D, D_FF = 64, 32, 96
+SEQ = 64
 
 
 def _tool(name):
@@ -29,24 +27,10 @@ def _tool(name):
     return module
 
 
-def _config(corpus, variant) -> RunConfig:
-    return RunConfig(model=ModelConfig(num_layers=3, hidden_size=D, ffn_hidden_size=D_FF, num_attention_heads=4,
-                                       vocab_size=VOCAB, seq_length=SEQ),
-                     stem=STEMConfig(variant=variant, ratio="full"),
-                     data=DataConfig(dir=str(corpus), vocab_size=VOCAB))
-
-
 def _write_exports(corpus, out):
-    """A STEM (ratio full: layers 1, 2) and a dense tiny export, random weights perturbed as in test_generate."""
-    from stem_megatron.export.format import write_export
-    from stem_megatron.export.single_process import build_single_process_model
-
+    """A STEM (ratio full: layers 1, 2) and a dense tiny export."""
     for variant in ("stem", "dense"):
-        cfg = _config(corpus, variant)
-        g = torch.Generator().manual_seed(0)
-        weights = {n: p.detach() + 0.02 * torch.randn(p.shape, generator=g)
-                   for n, p in build_single_process_model(cfg).named_parameters()}
-        write_export(out / variant, cfg, weights)
+        write_tiny_export(tiny_config(corpus, 3, SEQ, variant=variant), out / variant)
 
 
 def _exports_then_angular_spread(corpus, out):
@@ -80,7 +64,7 @@ def test_capacity_scaling_tool_on_corpus(corpus, tmp_path, capsys):
     cap = _tool("capacity_scaling")
     config_only = tmp_path / "export"
     config_only.mkdir()
-    (config_only / "config.json").write_text(json.dumps(dataclasses.asdict(_config(corpus, "stem"))))
+    (config_only / "config.json").write_text(json.dumps(dataclasses.asdict(tiny_config(corpus, 3, SEQ))))
     assert cap.main(["--data", str(corpus / "train"), "--export", str(config_only), "--lengths",
                      "8,16,32,64,128,256,100000", "--out-dir", str(tmp_path)]) == 0
     out = capsys.readouterr().out

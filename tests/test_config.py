@@ -5,7 +5,15 @@ import torch.distributed as dist
 from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 
-from stem_megatron.config import ConfigError, ModelConfig, ParallelConfig, RunConfig, STEMConfig, to_run_config, validate
+from stem_megatron.config import (
+    ConfigError,
+    ModelConfig,
+    ParallelConfig,
+    RunConfig,
+    STEMConfig,
+    to_run_config,
+    validate,
+)
 from stem_megatron.layer_plan import stem_layer_indices
 from stem_megatron.train import RECIPES
 from stem_megatron.training.loop import run

@@ -10,8 +10,8 @@ from conftest import VOCAB
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 from tokenizers import Tokenizer
 
-from stem_megatron.data.integrity import check_token_ids
 from stem_megatron.data.corpus import DEFAULT_SOURCE_DIR, collect_text, prepare_corpus
+from stem_megatron.data.integrity import check_token_ids
 from stem_megatron.data.preprocess import write_indexed_dataset
 from stem_megatron.data.tokenizer import HFTokenizer, train_tokenizer
 

@@ -13,33 +13,11 @@ import distributed
 import pytest
 import torch
 from conftest import VOCAB
+from tiny_export import D_FF, D, tiny_config, write_tiny_export
 
-from stem_megatron.config import DataConfig, ModelConfig, RunConfig, STEMConfig
 from stem_megatron.edit import StemEditor, load_log, plan_rows
 
-SEQ, D, D_FF = 32, 32, 96
-
-
-def _config(corpus) -> RunConfig:
-    """3 layers, ratio full: layer 0 a dense SwiGLU FFN, layers 1 and 2 STEM (tables in the export)."""
-    return RunConfig(
-        model=ModelConfig(num_layers=3, hidden_size=D, ffn_hidden_size=D_FF, num_attention_heads=4,
-                          vocab_size=VOCAB, seq_length=SEQ),
-        stem=STEMConfig(variant="stem", ratio="full"),
-        data=DataConfig(dir=str(corpus), vocab_size=VOCAB),
-    )
-
-
-def _write_tiny_export(corpus, out):
-    """The single-process model's initial weights, perturbed so no layer is trivial."""
-    from stem_megatron.export.format import write_export
-    from stem_megatron.export.single_process import build_single_process_model
-
-    cfg = _config(corpus)
-    g = torch.Generator().manual_seed(0)
-    weights = {n: p.detach() + 0.02 * torch.randn(p.shape, generator=g)
-               for n, p in build_single_process_model(cfg).named_parameters()}
-    write_export(out, cfg, weights)
+SEQ = 32
 
 
 def _tables(layers=(1, 2, 4), V=50, d_ff=8, seed=0):
@@ -151,12 +129,12 @@ def test_length_strategies(strategy):
 def _model_checks(corpus, out_dir):
     from stem_megatron.edit.cli import knowledge_edit, main
     from stem_megatron.export.format import read_export
-    from stem_megatron.inference.generate import GenerationModel
+    from stem_megatron.inference.generate import generate_batch
     from stem_megatron.inference.model import InferenceModel
     from stem_megatron.model.token_context import token_ids
 
     export = out_dir / "tiny"
-    _write_tiny_export(corpus, export)  # in this process: one megatron start-up for the whole test
+    write_tiny_export(tiny_config(corpus, 3, SEQ), export)  # here: one megatron start-up for the whole test
     model = InferenceModel(export, device="cpu")
     editor = StemEditor.from_model(model)
     assert editor.layers == [1, 2] and (editor.vocab_size, editor.d_ff) == (VOCAB, D_FF)
@@ -192,15 +170,17 @@ def _model_checks(corpus, out_dir):
     editor.undo()
     assert all(torch.equal(p, dense_before[n]) for n, p in model.model.named_parameters() if "U_l" not in n)
 
-    # host-resident tables of a GenerationModel are edited the same way
-    host = GenerationModel(export, placement="host")
+    # host-resident tables are edited the same way (not behind a hot-row cache: its copies would go stale)
+    host = InferenceModel(export, placement="host")
     host_editor = StemEditor.from_model(host)
-    assert host_editor.layers == [1, 2] and host_editor.tables[1] is host.rows.tables[2]
-    greedy = host.generate([[5, a, 9]], 4).tokens
+    assert host_editor.layers == [1, 2] and host_editor.tables[1] is host.host_tables.tables[2]
+    greedy = generate_batch(host, [[5, a, 9]], 4).tokens
     host_editor.copy_rows([a], [b])
-    assert torch.equal(host.rows.tables[2][a], originals[1][b])
+    assert torch.equal(host.host_tables.tables[2][a], originals[1][b])
     host_editor.undo()
-    assert host.generate([[5, a, 9]], 4).tokens == greedy
+    assert generate_batch(host, [[5, a, 9]], 4).tokens == greedy
+    with pytest.raises(ValueError, match="hot-row cache"):
+        StemEditor.from_model(InferenceModel(export, placement="host", cache_rows=8))
 
     # Fig. 5 report on words of the test tokenizer, then the CLI (JSON, plot, log, edited export)
     report, ed = knowledge_edit(model, " heap", " queue", "the heap queue sorts", top_k=3)

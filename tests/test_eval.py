@@ -19,8 +19,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import VOCAB
-
-from stem_megatron.config import DataConfig, ModelConfig, RunConfig, STEMConfig
+from tiny_export import perturbed_weights, tiny_config, write_tiny_export
 
 DATA = Path(__file__).parent / "data"
 SEQ = 256  # room for a NIAH prompt: with the 400-id test tokenizer the needle + question take ~80 tokens
@@ -28,35 +27,10 @@ OFFLINE = {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
 TEXT = "The heap queue sorts tuples by key; def f(x): return x ** 2 # a naïve comment über the heap.\n"
 
 
-def _config(corpus, **stem) -> RunConfig:
-    return RunConfig(
-        model=ModelConfig(num_layers=2, hidden_size=32, ffn_hidden_size=96, num_attention_heads=4,
-                          vocab_size=VOCAB, seq_length=SEQ),
-        stem=STEMConfig(**({"variant": "stem", "ratio": "full"} | stem)),  # layer 1 is STEM; placement host
-        data=DataConfig(dir=str(corpus), vocab_size=VOCAB),
-    )
-
-
-def _random_weights(cfg):
-    """The single-process model's freshly initialised weights, perturbed so no layer is trivial."""
-    from stem_megatron.export.single_process import build_single_process_model
-
-    g = torch.Generator().manual_seed(0)
-    return {n: p.detach() + 0.02 * torch.randn(p.shape, generator=g)
-            for n, p in build_single_process_model(cfg).named_parameters()}
-
-
-def _write_tiny_export(corpus, out):
-    from stem_megatron.export.format import write_export
-
-    cfg = _config(corpus)
-    write_export(out, cfg, _random_weights(cfg))
-
-
 @pytest.fixture(scope="module")
 def export_dir(corpus, tmp_path_factory):
     out = tmp_path_factory.mktemp("export") / "tiny"
-    distributed.run(_write_tiny_export, 1, corpus, out)
+    distributed.run(write_tiny_export, 1, tiny_config(corpus, 2, SEQ), out)  # layer 1 is STEM
     return out
 
 
@@ -74,7 +48,7 @@ def _export_checks(corpus, export, tmp):
     from stem_megatron.inference.model import InferenceModel
 
     cfg, weights, tokenizer = read_export(export)
-    assert cfg == _config(corpus)
+    assert cfg == tiny_config(corpus, 2, SEQ)
     assert tokenizer == export / "tokenizer.json" and tokenizer.read_bytes() == (corpus / "tokenizer.json").read_bytes()
     U = weights["decoder.layers.1.mlp.U_l.weight"]
     assert U.shape == (VOCAB, 96)  # a full V x d_ff table, as with stem.placement=device
@@ -113,9 +87,9 @@ def _export_checks(corpus, export, tmp):
     # Hash-MoE with a frequency map: the counts travel inside the export
     counts = tmp / "counts.npy"
     np.save(counts, np.arange(VOCAB, dtype=np.int64))
-    moe = _config(corpus, variant="hash_moe", ratio="1/2", num_experts=4, expert_ffn_hidden_size=32,
-                  hash_map=f"frequency:{counts}")
-    moe_weights = _random_weights(moe)
+    moe = tiny_config(corpus, 2, SEQ, variant="hash_moe", ratio="1/2", num_experts=4, expert_ffn_hidden_size=32,
+                      hash_map=f"frequency:{counts}")
+    moe_weights = perturbed_weights(moe)
     assert "decoder.layers.1.mlp.experts.local_experts.3.linear_fc1.weight" in moe_weights
     write_export(tmp / "moe", moe, moe_weights)
     counts.unlink()

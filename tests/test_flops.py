@@ -10,8 +10,15 @@ from pathlib import Path
 import distributed
 import pytest
 
-from stem_megatron.flops.arch import (HF_FIELDS, Arch, FlopsError, arch_from_hf, arch_from_model_config, expand_models,
-                                      load_arch)
+from stem_megatron.flops.arch import (
+    HF_FIELDS,
+    Arch,
+    FlopsError,
+    arch_from_hf,
+    arch_from_model_config,
+    expand_models,
+    load_arch,
+)
 from stem_megatron.flops.cli import main
 from stem_megatron.flops.counts import exact_layer_saving_fraction, forward_flops, training_flops
 from stem_megatron.flops.paper import paper_layer_train_flops, paper_saving_fraction, table1

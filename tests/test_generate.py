@@ -17,41 +17,17 @@ import distributed
 import pytest
 import torch
 from conftest import VOCAB
-
-from stem_megatron.config import DataConfig, ModelConfig, RunConfig, STEMConfig
+from tiny_export import D_FF, D, tiny_config, write_tiny_export
 
 SEQ = 64
-D, D_FF = 32, 96
 PROMPTS = ("def f(x): return", "The heap queue sorts tuples by key; def", "x")
 NEW = 12
-
-
-def _config(corpus) -> RunConfig:
-    """3 layers, ratio full: layer 0 a dense SwiGLU FFN, layers 1 and 2 STEM (tables in the export)."""
-    return RunConfig(
-        model=ModelConfig(num_layers=3, hidden_size=D, ffn_hidden_size=D_FF, num_attention_heads=4,
-                          vocab_size=VOCAB, seq_length=SEQ),
-        stem=STEMConfig(variant="stem", ratio="full"),
-        data=DataConfig(dir=str(corpus), vocab_size=VOCAB),
-    )
-
-
-def _write_tiny_export(corpus, out):
-    """The single-process model's initial weights, perturbed so no layer is trivial (as in test_eval)."""
-    from stem_megatron.export.format import write_export
-    from stem_megatron.export.single_process import build_single_process_model
-
-    cfg = _config(corpus)
-    g = torch.Generator().manual_seed(0)
-    weights = {n: p.detach() + 0.02 * torch.randn(p.shape, generator=g)
-               for n, p in build_single_process_model(cfg).named_parameters()}
-    write_export(out, cfg, weights)
 
 
 @pytest.fixture(scope="module")
 def export_dir(corpus, tmp_path_factory):
     out = tmp_path_factory.mktemp("export") / "tiny"
-    distributed.run(_write_tiny_export, 1, corpus, out)
+    distributed.run(write_tiny_export, 1, tiny_config(corpus, 3, SEQ), out)  # layers 1, 2 STEM
     return out
 
 
@@ -68,46 +44,49 @@ def _fed_tokens(prompts, new, max_new):
 
 # ----------------------------------------------------------------- (a) (b) (c) equality and fetches
 def _generation_checks(export):
-    from stem_megatron.inference.generate import GenerationModel
+    from stem_megatron.inference.generate import generate_batch, generate_texts
     from stem_megatron.inference.model import InferenceModel
 
     reference = InferenceModel(export)
-    device = GenerationModel(export, placement="device")
-    host = GenerationModel(export, placement="host")
-    cached = GenerationModel(export, placement="host", cache_rows=8, refresh_every=2)
-    full_cache = GenerationModel(export, placement="host", cache_rows=VOCAB)
-    assert host.rows is not None and host.rows.layers == [2, 3] and device.rows is None
+    device = InferenceModel(export, placement="device")
+    host = InferenceModel(export, placement="host")
+    cached = InferenceModel(export, placement="host", cache_rows=8, refresh_every=2)
+    full_cache = InferenceModel(export, placement="host", cache_rows=VOCAB)
+    assert host.host_tables is not None and host.host_tables.layers == [2, 3] and device.host_tables is None
     assert not any(n.endswith("U_l.weight") for n, _ in host.model.named_parameters())  # tables stay on the host
     prompts = [reference.encode(p) for p in PROMPTS]
     assert len({len(p) for p in prompts}) == 3
 
     # (a) KV cache + batch of three prompt lengths == recomputing the window for every token, per prompt
     expected = [reference.generate(p, NEW) for p in prompts]
-    greedy = device.generate(prompts, NEW)
+    greedy = generate_batch(device, prompts, NEW)
     assert greedy.tokens == expected
     assert all(len(t) == NEW for t in expected)  # no EOD stop: _fed_tokens below relies on it
     seed = torch.Generator().manual_seed(11)
-    assert device.generate([prompts[1]], NEW, temperature=1.0, top_p=0.9, generator=seed).tokens == [
+    assert generate_batch(device, [prompts[1]], NEW, temperature=1.0, top_p=0.9, generator=seed).tokens == [
         reference.generate(prompts[1], NEW, temperature=1.0, top_p=0.9, generator=torch.Generator().manual_seed(11))]
     stop = [reference.decode(expected[0][1:3])]  # cuts prompt 0 after its third token; the others maybe
-    stopped = device.generate(prompts, NEW, stop=stop).tokens
+    stopped = generate_batch(device, prompts, NEW, stop=stop).tokens
     assert stopped == [reference.generate(p, NEW, stop=stop) for p in prompts] and len(stopped[0]) <= 3
-    texts, _ = device.generate_text(list(PROMPTS), 4)
+    texts, _ = generate_texts(device, list(PROMPTS), 4)
     assert texts == [reference.decode(t[:4]) for t in expected]
     with pytest.raises(ValueError, match="exceeds model.seq_length"):
-        device.generate([[1] * (SEQ - 3)], 5)
+        generate_batch(device, [[1] * (SEQ - 3)], 5)
 
     # (b) host-resident rows == on-device tables, token for token, greedy and seeded sampling, cache on
     def sample(model, s):
-        return model.generate(prompts, NEW, temperature=1.0, top_p=0.9, generator=torch.Generator().manual_seed(s))
+        return generate_batch(model, prompts, NEW, temperature=1.0, top_p=0.9,
+                              generator=torch.Generator().manual_seed(s))
 
     sampled = sample(device, 3)
     assert sampled.tokens != greedy.tokens and sample(device, 3).tokens == sampled.tokens
     results = {}
     for name, model in (("host", host), ("cached", cached), ("full_cache", full_cache)):
-        results[name] = model.generate(prompts, NEW)
+        results[name] = generate_batch(model, prompts, NEW)
         assert results[name].tokens == greedy.tokens, name
         assert sample(model, 3).tokens == sampled.tokens, name
+    window = torch.tensor([prompts[1]])  # scoring and sliding-window generation fetch host rows too
+    assert torch.equal(host.logits(window), device.logits(window)) and host.generate(prompts[0], NEW) == expected[0]
 
     # (c) each forward gathers exactly its distinct ids' rows (counted from the gathered tensors)
     fed = _fed_tokens(prompts, greedy.tokens, NEW)
@@ -146,8 +125,8 @@ def test_kv_cache_and_host_rows_equal_reference(export_dir):
 
 # ----------------------------------------------------------------------------------- (d) byte report
 def test_byte_report_matches_hand_computation(export_dir):
-    from stem_megatron.flops import table1
-    from stem_megatron.inference.generate import ByteBudget
+    from stem_megatron.flops.decode_bytes import ByteBudget
+    from stem_megatron.flops.paper import table1
 
     weights = torch.load(export_dir / "model.pt", weights_only=True)["weights"]
     budget = ByteBudget.from_shapes({n: w.shape for n, w in weights.items()}, element_size=4)

@@ -66,8 +66,9 @@ def test_swapping_subject_rows_moves_the_fact(tokenizer_path, tmp_path):
     subjects' rows make each prompt prefer the other subject's answer, and undoing them restores the model."""
     from knowledge_edit import CONFIGS, score, train
 
-    from stem_megatron.data.facts import Facts, answer_logits, edit_success, fact_recall
+    from stem_megatron.data.facts import Facts
     from stem_megatron.edit.edits import StemEditor
+    from stem_megatron.eval.facts import answer_logits, edit_success, fact_recall
     from stem_megatron.inference.model import InferenceModel
 
     export = train(tmp_path / "run", CONFIGS["STEM-full, rows init std 0.9"], steps=100)

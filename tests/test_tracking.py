@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from stem_megatron.config import ModelConfig, RunConfig, STEMConfig
-from stem_megatron.training.spikes import SpikeDetector
 from stem_megatron.flops.mfu import device_peak_tflops, model_flops_per_token, throughput_metrics
+from stem_megatron.training.spikes import SpikeDetector
 from stem_megatron.training.wandb_run import WandbTracker, inspect_offline_run
 
 REPO = Path(__file__).resolve().parents[1]

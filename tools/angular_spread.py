@@ -52,8 +52,7 @@ def sample_windows(model, data: Optional[str], windows: int, seed: int) -> torch
         if not rows:
             raise ValueError(f"{data} has fewer than {S} tokens")
         return torch.stack(rows)
-    high = model.tokenizer.vocab_size if model.tokenizer is not None else model.vocab_size
-    return torch.randint(0, high, (windows, S), generator=torch.Generator().manual_seed(seed))
+    return torch.randint(0, model.decodable_ids, (windows, S), generator=torch.Generator().manual_seed(seed))
 
 
 def chosen_ids(windows: torch.Tensor, n: int) -> list[int]:

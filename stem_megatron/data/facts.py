@@ -5,8 +5,8 @@ subject owns exactly one STEM row per layer, as "Spain" does in the paper's Fig.
 one next-token prediction. Each subject has one answer drawn at random; documents list facts in
 random order, every subject ``repeats`` times over the corpus. ``build_facts`` writes the corpus as a
 megatron indexed dataset with the corpus tokenizer (so it blends with real text through
-``data.blend``) and ``<prefix>.json`` with the facts, which ``fact_recall`` and ``edit_success``
-score against.
+``data.blend``) and ``<prefix>.json`` with the facts, which ``eval.facts.fact_recall`` and
+``eval.facts.edit_success`` score against.
 """
 
 from __future__ import annotations
@@ -15,12 +15,9 @@ import argparse
 import json
 import random
 import re
-from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
-
-import torch
 
 from stem_megatron.data.preprocess import write_indexed_dataset
 from stem_megatron.data.tokenizer import HFTokenizer
@@ -94,67 +91,6 @@ def build_facts(tokenizer_path, prefix, num_subjects: int = 600, num_answers: in
     stats = write_indexed_dataset(fact_documents(facts, repeats, facts_per_doc, seed), tokenizer, prefix)
     prefix.with_suffix(".json").write_text(json.dumps(facts.to_dict(), indent=1))
     return {**stats, "subjects": num_subjects, "answers": num_answers}
-
-
-# ------------------------------------------------------------------------------------------- scoring
-@torch.no_grad()
-def answer_logits(model, facts: Facts, subjects: Sequence[str], batch_size: int = 64) -> torch.Tensor:
-    """Next-token logits [len(subjects), V] after ``facts.prompt(x)`` (``model``: an ``InferenceModel``)."""
-    rows = [model.encode(facts.prompt(x)) for x in subjects]
-    out = []
-    for start in range(0, len(rows), batch_size):
-        chunk = rows[start:start + batch_size]
-        batch = torch.zeros(len(chunk), max(len(r) for r in chunk), dtype=torch.long)
-        for i, r in enumerate(chunk):
-            batch[i, :len(r)] = torch.tensor(r)
-        logits = model.logits(batch)
-        out += [logits[i, len(r) - 1] for i, r in enumerate(chunk)]
-    return torch.stack(out)
-
-
-def fact_recall(model, facts: Facts) -> dict:
-    """Share of subjects whose top-1 continuation is their answer; ``recalled`` lists them. ``majority`` is
-    what always answering the most common answer scores (a model that learned the answers but not the facts)."""
-    subjects = list(facts.answer)
-    top1 = answer_logits(model, facts, subjects).argmax(-1).tolist()
-    recalled = [x for x, t in zip(subjects, top1) if t == facts.answer_id[facts.answer[x]]]
-    majority = max(Counter(facts.answer.values()).values()) / len(subjects)
-    return {"recall": len(recalled) / len(subjects), "subjects": len(subjects), "recalled": recalled,
-            "majority": majority}
-
-
-def edit_success(model, facts: Facts, recalled: Sequence[str], pairs: int = 100, seed: int = 0,
-                 layers=None) -> dict:
-    """Swap the STEM rows of two recalled subjects with different answers (paper Fig. 5) and score each
-    prompt on the edited model: ``edit_success`` its top-1 is now the other subject's answer,
-    ``edit_flips`` the other answer is now more likely than its own, ``edit_stays`` its top-1 is still
-    its own answer. Every swap is undone before the next."""
-    from stem_megatron.edit.edits import StemEditor
-
-    rng = random.Random(seed)
-    recalled = list(recalled)
-    chosen = []
-    for _ in range(pairs * 20):
-        if len(chosen) == pairs or len(recalled) < 2:
-            break
-        a, b = rng.sample(recalled, 2)
-        if facts.answer[a] != facts.answer[b]:
-            chosen.append((a, b))
-    if not chosen:
-        return {"edit_success": None, "edit_flips": None, "edit_stays": None, "pairs": 0}
-    editor = StemEditor.from_model(model)
-    moved = flipped = stayed = 0
-    for a, b in chosen:
-        with editor.session():
-            editor.swap_rows([facts.subject_id[a]], [facts.subject_id[b]], layers=layers)
-            logits = answer_logits(model, facts, [a, b])
-        for row, own, other in ((logits[0], a, b), (logits[1], b, a)):
-            own_id, other_id = facts.answer_id[facts.answer[own]], facts.answer_id[facts.answer[other]]
-            top = int(row.argmax())
-            moved, stayed = moved + (top == other_id), stayed + (top == own_id)
-            flipped += bool(row[other_id] > row[own_id])
-    n = 2 * len(chosen)
-    return {"edit_success": moved / n, "edit_flips": flipped / n, "edit_stays": stayed / n, "pairs": len(chosen)}
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:

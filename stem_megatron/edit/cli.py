@@ -27,9 +27,7 @@ from stem_megatron.edit.row_plan import STRATEGIES
 def topk_next(model, prompt_ids: Sequence[int], k: int = 5) -> list[dict]:
     """``[{id, token, prob}]`` of the k most likely next tokens after ``prompt_ids`` (decodable ids only)."""
     ids = list(prompt_ids)[-model.seq_length:]
-    logits = model.logits(torch.tensor([ids]))[0, -1]
-    if model.tokenizer is not None:
-        logits = logits[:model.tokenizer.vocab_size]
+    logits = model.logits(torch.tensor([ids]))[0, -1, :model.decodable_ids]
     probs = torch.softmax(logits.double(), dim=-1)
     top = torch.topk(probs, min(k, probs.numel()))
     return [{"id": int(i), "token": model.decode([int(i)]) if model.tokenizer is not None else str(int(i)),

@@ -8,11 +8,11 @@ rewrites rows in place, leaving every other parameter and the prompt alone:
 * ``swap``: additionally the target ids get the source rows, ``e_tgt <- e_src`` (both read the rows as
   they were before the edit).
 
-``StemEditor`` works on any holder of the tables: an export's weights dict (``read_export``), an
-``InferenceModel``/``GenerationModel`` (on-device tables or host-resident ``ReadOnlyHostTables`` without
-the hot-row cache), a GPT module, or a plain ``{layer: tensor}`` dict. Each edit appends an
-``EditRecord`` (layers, ids, previous and new rows); ``undo()`` writes the previous rows back, so a
-full undo restores every row bitwise. The log saves as ``.pt`` or ``.json`` (rows base64-encoded raw
+``StemEditor`` works on a ``{layer: V x d_ff tensor}`` dict of live tables: ``from_model`` takes them
+from an ``InferenceModel``'s ``tables()`` (on-device parameters, or host-resident tables without the
+hot-row cache, whose device copies an edit would leave stale). Each edit appends an ``EditRecord``
+(layers, ids, previous and new rows); ``undo()`` writes the previous rows back, so a full undo
+restores every row bitwise. The log saves as ``.pt`` or ``.json`` (rows base64-encoded raw
 bytes, exact) and can be re-applied to a fresh copy of the model (``redo_log``).
 
 A synthetic-facts experiment is then a few lines::
@@ -29,7 +29,6 @@ from __future__ import annotations
 import base64
 import contextlib
 import json
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Mapping, Optional, Sequence, Union
@@ -38,41 +37,10 @@ import torch
 
 from stem_megatron.edit.row_plan import RowPlan, plan_rows
 
-TABLE_NAME = re.compile(r"^decoder\.layers\.(\d+)\.mlp\.U_l\.weight$")
 MODES = ("copy", "swap")
 LOG_FORMAT = "stem-megatron-edit-log-v1"
 
 Layers = Union[str, Sequence[int], None]
-
-
-def stem_tables(holder) -> dict[int, torch.Tensor]:
-    """``{0-based layer index: V x d_ff table}`` of ``holder``, the live tensors (edits act in place)."""
-    from stem_megatron.host_tables.read_only import ReadOnlyHostTables
-
-    if isinstance(holder, ReadOnlyHostTables):
-        if holder.cache.capacity > 0:
-            raise ValueError("ReadOnlyHostTables has a hot-row cache whose device copies an edit would not update: "
-                             "load the model with cache_rows=0 to edit it")
-        return {layer - 1: t for layer, t in holder.tables.items()}
-    rows = getattr(holder, "rows", None)
-    if isinstance(rows, ReadOnlyHostTables):  # GenerationModel(placement="host")
-        return stem_tables(rows)
-    if hasattr(holder, "model") and isinstance(holder.model, torch.nn.Module):  # InferenceModel, GenerationModel
-        holder = holder.model
-    if isinstance(holder, torch.nn.Module):
-        named = {n: p.data for n, p in holder.named_parameters()}
-    elif isinstance(holder, Mapping):
-        if all(isinstance(k, int) for k in holder):
-            return dict(holder)
-        named = holder
-    else:
-        raise TypeError(f"cannot find STEM tables in a {type(holder).__name__}")
-    tables = {}
-    for name, tensor in named.items():
-        match = TABLE_NAME.match(name)
-        if match:
-            tables[int(match.group(1))] = tensor
-    return tables
 
 
 @dataclass
@@ -112,9 +80,12 @@ class StemEditor:
         self.log: list[EditRecord] = []
 
     @classmethod
-    def from_model(cls, holder) -> "StemEditor":
-        """From an export's weights, an InferenceModel/GenerationModel, a module or ``{layer: table}``."""
-        return cls(stem_tables(holder))
+    def from_model(cls, model) -> "StemEditor":
+        """On the live tables of an ``InferenceModel`` (``model.tables()``)."""
+        if model.cache_rows:
+            raise ValueError(f"{model.export_dir} is loaded with a hot-row cache of {model.cache_rows} rows whose "
+                             "device copies an edit would not update: load it with cache_rows=0 to edit it")
+        return cls(model.tables())
 
     @property
     def layers(self) -> list[int]:

@@ -45,7 +45,7 @@ def _owner(param: torch.Tensor) -> bool:
 
 
 def export(cfg: RunConfig, trainer, out_dir: Path, tokenizer_path: Path | None = None) -> None:
-    """Write ``out_dir`` (collective); see ``inference.export_format`` for the format."""
+    """Write ``out_dir`` (collective); see ``export.format`` for the format."""
     scratch = Path(f"{out_dir}.parts")
     if dist.get_rank() == 0:
         shutil.rmtree(scratch, ignore_errors=True)

@@ -10,8 +10,15 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
-from stem_megatron.flops.arch import (DEFAULT_SEQ_LENGTH, REPO, FlopsError, expand_models, list_presets, load_arch,
-                                      natural_key)
+from stem_megatron.flops.arch import (
+    DEFAULT_SEQ_LENGTH,
+    REPO,
+    FlopsError,
+    expand_models,
+    list_presets,
+    load_arch,
+    natural_key,
+)
 from stem_megatron.flops.params import analytic_parameters, megatron_parameters
 from stem_megatron.flops.report import estimate, print_report, print_summary
 from stem_megatron.flops.roi import load_results, print_roi, training_roi

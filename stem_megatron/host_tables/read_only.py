@@ -3,16 +3,16 @@
 An export holds every ``U_l`` as a full V x d_ff matrix. ``ReadOnlyHostTables`` keeps them in host memory
 (plain CPU tensors) and, for each forward, gathers only the rows of the step's distinct token ids
 (``B_uniq x d_ff`` per STEM layer; one decode step of a batch of B sequences feeds B tokens) and hands
-them to the compute device (``stem.transfer.HostToDevice``: on GPU the gathered rows go through a
+them to the compute device (``host_tables.transfer.HostToDevice``: on GPU the gathered rows go through a
 pinned buffer and a side stream; on CPU there is nothing to copy), serving the hottest rows from an
-optional device cache (``stem.cache.HotRowCache``).
+optional device cache (``host_tables.cache.HotRowCache``).
 
 The STEM layers receive the rows through the training path's mechanism: the forward is wrapped in
-``token_context.token_ids(tokens, V, prefetched)`` with a ``stem.prefetch.PrefetchedRows(uniq,
-inverse, fetched)``, and the layer's row source is the training-time ``stem.row_source.HostRowSource``,
-selected by the layer spec (``host_rows_spec``) and given this object as its store. Under
-``torch.no_grad`` that module only reads ``fetched.rows[layer]`` and expands them with ``inverse``;
-it never calls ``register`` (inference has no row gradients).
+``token_context.token_ids(tokens, V, prefetched)`` with the ``host_tables.transfer.PrefetchedRows`` of
+``fetch``, and the layer's row source is the training-time ``host_tables.row_source.HostRowSource``
+given this object as its store (the inference package builds that model). Under ``torch.no_grad``
+that module only reads ``fetched.rows[layer]`` and expands them with ``inverse``; it never calls
+``register`` (inference has no row gradients).
 """
 
 from __future__ import annotations
@@ -21,14 +21,8 @@ import re
 from typing import Mapping, Optional
 
 import torch
-from megatron.core.models.gpt import GPTModel
-from megatron.core.transformer.spec_utils import ModuleSpec
 
-from stem_megatron.config import RunConfig
-from stem_megatron.export.single_process import ensure_single_process_state, single_process_config
-from stem_megatron.model.gpt import build_gpt, transformer_config
 from stem_megatron.host_tables.cache import HotRowCache
-from stem_megatron.host_tables.row_source import HostRowSource
 from stem_megatron.host_tables.transfer import HostToDevice, PrefetchedRows, fetch_rows
 
 TABLE_NAME = re.compile(r"^decoder\.layers\.(\d+)\.mlp\.U_l\.weight$")
@@ -52,7 +46,7 @@ class ReadOnlyHostTables:
     ``tables``: ``{global 1-based layer number: V x d_ff tensor}``. ``cache_rows``: rows per table
     kept on ``device`` (the most frequent ids seen so far; 0 disables the cache). The tables never
     change at inference, so cached rows are only re-chosen (every ``refresh_every`` steps), never
-    re-read. Counters of every fetch are appended to ``fetches``.
+    re-read. ``fetch_count`` counts the fetches (the forwards served), for the cache's refresh timing.
     """
 
     def __init__(self, tables: Mapping[int, torch.Tensor], device: Optional[torch.device] = None,
@@ -70,7 +64,7 @@ class ReadOnlyHostTables:
         self.tables = {layer: tables[layer].detach().to("cpu").contiguous() for layer in self.layers}
         self.cache = HotRowCache(cache_rows, self.vocab_size, self.device, refresh_every)
         self.h2d = HostToDevice(self.device)
-        self.fetches: list[dict] = []
+        self.fetch_count = 0
 
     @property
     def host_bytes(self) -> int:
@@ -94,7 +88,7 @@ class ReadOnlyHostTables:
                                         rows_from_cache=hits,
                                         bytes_to_device=(prefetched.uniq.numel() - hits) * len(self.layers)
                                         * self.row_bytes)
-        self.fetches.append(prefetched.fetched.stats)
+        self.fetch_count += 1
         return prefetched
 
     def refresh_cache(self, step: int) -> None:
@@ -103,22 +97,5 @@ class ReadOnlyHostTables:
 
     def register(self, layer: int, uniq: torch.Tensor, rows: torch.Tensor) -> None:
         raise RuntimeError("ReadOnlyHostTables serve inference only: run the model under torch.no_grad() "
-                           "(training uses stem.store.HostTableStore, which keeps row gradients)")
+                           "(training uses host_tables.store.HostTableStore, which keeps row gradients)")
 
-
-def host_rows_spec(tables: ReadOnlyHostTables) -> ModuleSpec:
-    """The layer spec's row source: the training path's ``HostRowSource`` reading from ``tables``."""
-    return ModuleSpec(module=HostRowSource, params={"store": tables})
-
-
-def build_host_rows_model(cfg: RunConfig, tables: ReadOnlyHostTables) -> GPTModel:
-    """The export's single-process model with STEM rows served by ``tables`` (no ``U_l`` parameters).
-
-    Same layout as ``single_process.build_single_process_model`` (TP=PP=EP=1, local modules, fp32);
-    its parameters are the export's weights minus the tables.
-    """
-    cfg = single_process_config(cfg)
-    ensure_single_process_state(cfg.train.seed)
-    config = transformer_config(cfg.model, cfg.parallel, on_gpu=False, use_cpu_initialization=True, stem=cfg.stem)
-    return build_gpt(cfg.model, cfg.stem, config, row_source=host_rows_spec(tables), use_te=False,
-                     pre_process=True, post_process=True)

@@ -12,8 +12,8 @@ import torch
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from stem_megatron.model.token_context import MicroBatchTokens
 from stem_megatron.host_tables.store import HostTableStore
+from stem_megatron.model.token_context import MicroBatchTokens
 
 
 class HostRowSource(MegatronModule):

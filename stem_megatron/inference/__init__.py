@@ -1,1 +1,2 @@
-"""Single-process use of a trained model: the export format and an inference model over it."""
+"""Single-process use of an export: ``InferenceModel`` (scoring, sliding-window generation, STEM tables on the
+device or in host memory) and KV-cache batch decoding with its byte report (``generate``, ``stem-generate``)."""

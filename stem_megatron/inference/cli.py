@@ -67,22 +67,20 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
 def run(args: argparse.Namespace) -> dict:
     import torch
 
-    from stem_megatron.inference.generate import GenerationModel, format_report
+    from stem_megatron.inference.generate import cut_at_stop, format_report, generate_batch
+    from stem_megatron.inference.model import InferenceModel
 
-    model = GenerationModel(args.export, placement=args.placement, cache_rows=args.cache_rows, device=args.device,
-                            refresh_every=args.refresh_every)
+    model = InferenceModel(args.export, placement=args.placement, cache_rows=args.cache_rows, device=args.device,
+                           refresh_every=args.refresh_every)
     prompts = [model.encode(p) for p in args.prompt] if args.prompt else args.prompt_ids
     generator = torch.Generator().manual_seed(args.seed)
-    result = model.generate(prompts, args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+    result = generate_batch(model, prompts, args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                             generator=generator, stop=args.stop)
     generations = []
     for i, ids in enumerate(result.tokens):
         item = {"prompt_ids": list(prompts[i]), "ids": ids}
         if model.tokenizer is not None:
-            text = model.decode(ids)
-            for s in args.stop:
-                text = text.split(s)[0]
-            item.update(prompt=model.decode(prompts[i]), text=text)
+            item.update(prompt=model.decode(prompts[i]), text=cut_at_stop(model.decode(ids), args.stop))
         generations.append(item)
     out = {"export": str(args.export), "generations": generations, "steps": result.steps, "summary": result.summary,
            "budget": dataclasses.asdict(model.budget),

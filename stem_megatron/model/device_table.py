@@ -1,10 +1,10 @@
 """The on-device row source: where a STEM layer gets ``U_l[t]`` for its tokens.
 
 A STEM layer only calls ``row_source(tokens) -> rows`` (``token_context.MicroBatchTokens``); which
-module answers is chosen by the layer spec. ``DeviceRowTable`` keeps ``U_l`` as an ordinary parameter on the compute device, sharded by
-columns like the gate: TP rank r holds ``U_l[:, r*d_ff/tp:(r+1)*d_ff/tp]``, the same slice of d_ff its
-``W_g`` shard produces, so no TP communication is added. The host-resident store supplies a module
-with the same call signature.
+module answers is chosen by the layer spec. ``DeviceRowTable`` keeps ``U_l`` as an ordinary parameter
+on the compute device, sharded by columns like the gate: TP rank r holds ``U_l[:, r*d_ff/tp:(r+1)*d_ff/tp]``,
+the same slice of d_ff its ``W_g`` shard produces, so no TP communication is added. The host-resident
+store supplies a module with the same call signature (``host_tables/row_source.py``).
 """
 
 from __future__ import annotations

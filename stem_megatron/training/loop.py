@@ -15,6 +15,7 @@ from stem_megatron.checkpoint import manager as checkpoints
 from stem_megatron.checkpoint.atomic import CheckpointError, resolve
 from stem_megatron.config import RunConfig, validate
 from stem_megatron.export.writer import export
+from stem_megatron.flops.mfu import device_peak_tflops, model_flops_per_token, throughput_metrics
 from stem_megatron.model.hash_moe import take_moe_stats
 from stem_megatron.training.data_stream import batch_stream, run_datasets
 from stem_megatron.training.metrics_file import MetricsWriter
@@ -22,7 +23,6 @@ from stem_megatron.training.setup import Trainer, setup_model
 from stem_megatron.training.spikes import SpikeDetector
 from stem_megatron.training.step import train_step
 from stem_megatron.training.validation import check_size, validation_loss
-from stem_megatron.flops.mfu import device_peak_tflops, model_flops_per_token, throughput_metrics
 from stem_megatron.training.wandb_run import WandbTracker
 
 
