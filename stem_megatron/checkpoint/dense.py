@@ -38,9 +38,13 @@ def save(model, optimizer, directory: Path) -> None:
 def _empty_adam_state(optimizer) -> None:
     """Give every parameter a zero Adam state to load into. megatron's torch-Adam fallback (no TE/Apex:
     our CPU path) creates ``step`` only at the first step, and its distributed optimizer cannot
-    describe (hence load) the state of an optimizer that has not stepped yet."""
+    describe (hence load) the state of an optimizer that has not stepped yet. TE's and Apex's FusedAdam
+    (GPU) keep ``step`` in the param group and megatron initialises their state itself; a per-parameter
+    ``step`` would break their ``state_dict()``, so they are left alone."""
     for part in getattr(optimizer, "chained_optimizers", [optimizer]):
         inner = part.optimizer
+        if not isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)):
+            continue
         for group in inner.param_groups:
             for param in group["params"]:
                 if not inner.state[param]:

@@ -13,21 +13,22 @@ needs no state.
 import torch
 
 
-def _collate(samples: list[dict]) -> dict:
-    batch = {key: torch.stack([s[key] for s in samples]) for key in ("tokens", "labels", "loss_mask", "position_ids")}
-    if "attention_mask" in samples[0]:  # only built with reset_attention_mask
-        batch["attention_mask"] = torch.stack([s["attention_mask"] for s in samples])
-    return batch
+def _collate(samples: list[dict], pin_memory: bool) -> dict:
+    keys = ("tokens", "labels", "loss_mask", "position_ids") + (
+        ("attention_mask",) if "attention_mask" in samples[0] else ())  # only built with reset_attention_mask
+    batch = {key: torch.stack([s[key] for s in samples]) for key in keys}
+    return {key: t.pin_memory() for key, t in batch.items()} if pin_memory else batch
 
 
-def micro_batches(dataset, micro_batch_size, dp_rank, dp_size, start_step=0, num_micro_batches=1):
+def micro_batches(dataset, micro_batch_size, dp_rank, dp_size, start_step=0, num_micro_batches=1, pin_memory=False):
     """Yield micro-batches forever (``num_micro_batches`` per global step from ``start_step``), see the
     module docstring for which samples each (step, rank, micro-batch) gets.
 
     A batch holds LongTensors ``tokens``, ``labels``, ``position_ids`` ``[b, s]``, a float ``loss_mask``
     ``[b, s]`` and, when the dataset resets attention at document boundaries, a bool ``attention_mask``
     ``[b, 1, s, s]`` (True = masked, megatron's convention). Running past the dataset's samples is an
-    error: build it with at least ``steps * global_batch_size`` samples.
+    error: build it with at least ``steps * global_batch_size`` samples. ``pin_memory`` (GPU): page-locked
+    tensors, so the copy to the device does not block the training thread.
     """
     if not 0 <= dp_rank < dp_size:
         raise ValueError(f"dp_rank {dp_rank} not in [0, {dp_size})")
@@ -40,5 +41,5 @@ def micro_batches(dataset, micro_batch_size, dp_rank, dp_size, start_step=0, num
                 raise IndexError(
                     f"global step {step} needs samples up to {first + micro_batch_size} but the dataset has "
                     f"{len(dataset)}: build it with train_samples >= steps * global_batch_size")
-            yield _collate([dataset[i] for i in range(first, first + micro_batch_size)])
+            yield _collate([dataset[i] for i in range(first, first + micro_batch_size)], pin_memory)
         step += 1

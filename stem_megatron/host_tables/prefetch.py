@@ -15,6 +15,8 @@ import threading
 import time
 from typing import Iterator
 
+import torch
+
 from stem_megatron.host_tables.store import HostTableStore
 
 
@@ -39,6 +41,8 @@ class RowPrefetcher:
 
     def _work(self, data, num_micro_batches, start_step) -> None:
         try:
+            if self.store.device.type == "cuda":  # a new thread starts on GPU 0: use this rank's device
+                torch.cuda.set_device(self.store.device)
             for i, batch in enumerate(data):
                 self.store.wait_for_step(start_step + i // num_micro_batches, self._stop)
                 if self._stop.is_set():

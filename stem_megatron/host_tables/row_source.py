@@ -2,13 +2,14 @@
 
 It holds no parameters. Its forward takes the rows the prefetcher fetched for this micro-batch
 (unique ids x this TP rank's columns), makes them a leaf tensor the store keeps, and expands them to
-tokens with the inverse index; backward of that expansion is an ``index_add`` into the compact
-leaf, so only touched rows ever carry a gradient.
+tokens with the inverse index; backward of that expansion adds into the compact leaf (in fp32), so only
+touched rows ever carry a gradient.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -37,11 +38,12 @@ class HostRowSource(MegatronModule):
             raise RuntimeError("a host-resident STEM layer ran without fetched rows: wrap the data iterator in "
                                "stem_megatron.host_tables.prefetch.RowPrefetcher (training) or pass the rows of "
                                "ReadOnlyHostTables.fetch to token_ids (inference)")
-        prefetched.fetched.wait()
+        prefetched.wait()
         rows = prefetched.fetched.rows[self.layer_number]
         if torch.is_grad_enabled():
             rows = rows.detach().requires_grad_()
             self.store.register(self.layer_number, prefetched.uniq, rows)
-        # fp32 master rows; the layer computes in the model's dtype (bf16 on GPU), the gradient
-        # arrives back in fp32 on the compact leaf
-        return rows.to(self.config.params_dtype)[prefetched.inverse.t()]
+        # Gather in fp32, then cast to the model's dtype (bf16 on GPU): the backward of the gather adds the
+        # gradients of a token's repeats in fp32 into the fp32 compact leaf (gathering bf16 rows would
+        # add them in bf16)
+        return F.embedding(prefetched.inverse.t(), rows).to(self.config.params_dtype)

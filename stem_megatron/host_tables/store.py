@@ -113,10 +113,8 @@ class HostTableStore:
 
     def restore_step(self, steps_done: int) -> None:
         """After loading a checkpoint: continue the Adam step count and re-read the cached rows."""
-        with self._version:
-            self.steps_done = steps_done
-            self._version.notify_all()
         self.cache.refresh(steps_done, self.weight, None)
+        self._publish(steps_done)
 
     @property
     def host_bytes(self) -> int:
@@ -128,6 +126,14 @@ class HostTableStore:
         """Block until the updates of every step before ``step`` are visible (exactness contract)."""
         with self._version:
             self._version.wait_for(lambda: self.steps_done >= step or stop.is_set())
+
+    def _publish(self, steps_done: int) -> None:
+        """Let the prefetcher read rows of the next step. The caller has written the tables and the hot-row
+        cache; the cache writes are ordered before any fetch that follows (``HostToDevice.cache_written``)."""
+        self.h2d.cache_written()
+        with self._version:
+            self.steps_done = steps_done
+            self._version.notify_all()
 
     def wake_waiters(self) -> None:
         with self._version:
@@ -196,9 +202,7 @@ class HostTableStore:
         dist.barrier(self.node.group)  # every peer's rows are written before anyone reads them
         self._stats["cpu_adam_s"] += time.perf_counter() - start
         self.cache.refresh(step, self.weight, updated if self.mode == "lazy" else None)
-        with self._version:
-            self.steps_done = step
-            self._version.notify_all()
+        self._publish(step)
 
     def _dense_update(self, layer, ids, grads, lo, hi, step, lr) -> None:
         dense = torch.zeros(hi - lo, self.cols)

@@ -26,32 +26,51 @@ class Fetched:
     ready: Optional[torch.cuda.Event]
     stats: dict
 
-    def wait(self) -> None:
-        """Make the current stream wait for the copy (GPU); a no-op on CPU."""
-        if self.ready is None:
-            return
-        stream = torch.cuda.current_stream()
-        stream.wait_event(self.ready)
-        for t in self.rows.values():
-            t.record_stream(stream)
-
 
 @dataclass
 class PrefetchedRows:
     """What a host-resident STEM layer needs for one micro-batch."""
 
     uniq: torch.Tensor  # sorted unique token ids
-    inverse: torch.Tensor  # [b, s]: position of each token's id in ``uniq``
+    inverse: torch.Tensor  # [b, s]: position of each token's id in ``uniq``, on the device
     fetched: Fetched
+
+    def wait(self) -> None:
+        """Make the current stream wait for the rows and the inverse index (GPU); a no-op on CPU."""
+        if self.fetched.ready is None:
+            return
+        stream = torch.cuda.current_stream()
+        stream.wait_event(self.fetched.ready)
+        for t in (*self.fetched.rows.values(), self.inverse):
+            t.record_stream(stream)  # allocated on the side stream, used on this one
 
 
 class HostToDevice:
+    """The copy engine's side of a fetch: a side stream on GPU, nothing on CPU.
+
+    The hot-row cache is written on the training stream (after an optimizer step) and read on the side
+    stream (by the next fetch): ``cache_written`` marks the end of the writes with an event that
+    ``wait_for_cache`` makes the side stream wait for, so a fetch never reads rows from before the step.
+    """
+
     def __init__(self, device: torch.device):
         self.device = device
         self.side = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._cache_event: Optional[torch.cuda.Event] = None
 
     def stream(self):
         return torch.cuda.stream(self.side) if self.side is not None else contextlib.nullcontext()
+
+    def cache_written(self) -> None:
+        """Call after writing the hot-row cache on the current stream, before publishing the new rows."""
+        if self.side is not None:
+            self._cache_event = torch.cuda.Event()
+            self._cache_event.record()
+
+    def wait_for_cache(self) -> None:
+        """Inside ``stream()``: later work on the side stream waits for the last cache writes."""
+        if self._cache_event is not None:
+            self.side.wait_event(self._cache_event)
 
     def copy(self, rows: torch.Tensor) -> torch.Tensor:
         if self.side is None:
@@ -82,16 +101,18 @@ def fetch_rows(tokens: torch.Tensor, vocab_size: int, tables: Mapping[int, torch
     miss = uniq[~hit]
     any_hit = bool(hit.any())
     rows = {}
-    with h2d.stream():
-        hit_d = hit.to(h2d.device, non_blocking=True)
+    with h2d.stream():  # every copy below is issued on the side stream (GPU)
+        if any_hit:  # positions of hits and misses among the ids, computed here: no mask indexing on the device
+            h2d.wait_for_cache()
+            hit_at, miss_at, pos = (h2d.copy(t) for t in (hit.nonzero().squeeze(1), (~hit).nonzero().squeeze(1), pos))
         for layer, table in tables.items():
             fetched = h2d.copy(table.index_select(0, miss))
             if any_hit:
                 out = torch.empty(uniq.numel(), table.shape[1], dtype=table.dtype, device=h2d.device)
-                out[hit_d] = cache.rows[layer][pos.to(h2d.device)]
-                out[~hit_d] = fetched
+                out.index_copy_(0, hit_at, cache.rows[layer].index_select(0, pos))
+                out.index_copy_(0, miss_at, fetched)
                 fetched = out
             rows[layer] = fetched
+        inverse = h2d.copy(inverse)
         ready = h2d.record()
-    inverse = inverse.to(h2d.device, non_blocking=True)
     return PrefetchedRows(uniq, inverse, Fetched(rows, ready, {})), hit

@@ -22,6 +22,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from stem_megatron.config import RunConfig
+from stem_megatron.data.integrity import check_token_ids
 from stem_megatron.data.tokenizer import HFTokenizer
 from stem_megatron.export.format import ExportError, read_export
 from stem_megatron.export.single_process import (
@@ -122,11 +123,15 @@ class InferenceModel:
         rows after it when due (forward number: ``host_tables.fetch_count``).
         """
         tokens = tokens.to(torch.long)
-        prefetched = self.host_tables.fetch(tokens) if self.host_tables is not None else None
+        if self.host_tables is not None:
+            prefetched = self.host_tables.fetch(tokens)  # checks the ids
+        else:
+            prefetched = None
+            check_token_ids(tokens, self.vocab_size)  # before the copy: no wait for the device
         tokens = tokens.to(self.device)
         b, s = tokens.shape
         positions = torch.arange(offset, offset + s, device=self.device).unsqueeze(0).expand(b, s)
-        with token_ids(tokens, self.vocab_size, prefetched):
+        with token_ids(tokens, None, prefetched):
             out = self.model(tokens, positions, None, **kwargs)
         if prefetched is not None:
             self.host_tables.refresh_cache(self.host_tables.fetch_count)

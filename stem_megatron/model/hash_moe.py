@@ -73,8 +73,9 @@ class HashRouter(MegatronModule):
         ep = parallel_state.get_expert_model_parallel_world_size()
         self._local = range(parallel_state.get_expert_model_parallel_rank() * self.num_experts // ep,
                             (parallel_state.get_expert_model_parallel_rank() + 1) * self.num_experts // ep)
-        self.tokens_per_expert = torch.zeros(self.num_experts, dtype=torch.int64)
-        self.tokens_sent = 0
+        # counters stay on the device until the step's end (take_stats): no sync per MoE layer and forward
+        self.register_buffer("tokens_per_expert", torch.zeros(self.num_experts, dtype=torch.int64), persistent=False)
+        self.register_buffer("tokens_sent", torch.zeros((), dtype=torch.int64), persistent=False)
 
     def set_layer_number(self, layer_number: int) -> None:
         self.layer_number = layer_number
@@ -88,19 +89,20 @@ class HashRouter(MegatronModule):
             tokens = tokens.chunk(parallel_state.get_tensor_model_parallel_world_size())[
                 parallel_state.get_tensor_model_parallel_rank()]
         experts = self.expert_of_token[tokens.reshape(-1)].to(input.device)
-        routing_map = torch.nn.functional.one_hot(experts, self.num_experts).bool()
+        routing_map = torch.zeros(experts.numel(), self.num_experts, dtype=torch.bool, device=experts.device)
+        routing_map.scatter_(1, experts[:, None], True)  # one_hot would check the ids on the host (a sync)
         if padding_mask is not None:
             routing_map &= padding_mask.reshape(-1, 1)
         probs = routing_map.float()
         if torch.is_grad_enabled():
-            self.tokens_per_expert += routing_map.sum(0).cpu()
-            self.tokens_sent += int(((experts < self._local.start) | (experts >= self._local.stop)).sum())
+            self.tokens_per_expert += routing_map.sum(0)
+            self.tokens_sent += ((experts < self._local.start) | (experts >= self._local.stop)).sum()
         return probs, routing_map
 
     def take_stats(self) -> tuple[torch.Tensor, int]:
-        stats = (self.tokens_per_expert.clone(), self.tokens_sent)
+        stats = (self.tokens_per_expert.cpu(), int(self.tokens_sent))
         self.tokens_per_expert.zero_()
-        self.tokens_sent = 0
+        self.tokens_sent.zero_()
         return stats
 
 

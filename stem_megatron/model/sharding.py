@@ -17,11 +17,26 @@ from megatron.core.transformer.transformer_layer import get_transformer_layer_of
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 _EXPERT = re.compile(r"\.local_experts\.(\d+)\.")
+# Transformer Engine keeps a layer's norms inside the linears they are fused into and numbers the
+# experts of a grouped GEMM as weight suffixes; the single-process model (megatron's local modules)
+# has them as modules of their own.
+_TE_NAMES = (
+    (re.compile(r"\.self_attention\.linear_qkv\.layer_norm_(weight|bias)$"), r".input_layernorm.\1"),
+    (re.compile(r"\.mlp\.linear_fc1\.layer_norm_(weight|bias)$"), r".pre_mlp_layernorm.\1"),
+    (re.compile(r"\.experts\.linear_fc([12])\.weight(\d+)$"), r".experts.local_experts.\2.linear_fc\1.weight"),
+)
+
+
+def local_module_name(name: str) -> str:
+    """The name a (Transformer Engine) parameter has in a model built from megatron's local modules."""
+    for pattern, replacement in _TE_NAMES:
+        name = pattern.sub(replacement, name)
+    return name
 
 
 def global_name(local_name: str, offset: int, expert_offset: int = 0) -> str:
-    """Single-process name: global layer index, and global expert index under expert parallelism."""
-    name = _LAYER.sub(lambda m: f"decoder.layers.{int(m.group(1)) + offset}.", local_name)
+    """Single-process name: local-module name, global layer index, global expert index under EP."""
+    name = _LAYER.sub(lambda m: f"decoder.layers.{int(m.group(1)) + offset}.", local_module_name(local_name))
     return _EXPERT.sub(lambda m: f".local_experts.{int(m.group(1)) + expert_offset}.", name)
 
 

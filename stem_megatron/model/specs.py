@@ -3,7 +3,12 @@
 We start from megatron's own decoder block spec (which already slices layers for this pipeline
 stage) and replace ``submodules.mlp`` of the planned layers by a STEM MLP (or the Hash-MoE layer).
 Layers not in the plan keep megatron's SwiGLU ``MLP`` (paper eq. 1). On GPU the linears are
-Transformer Engine's; on CPU the local megatron-core ones.
+Transformer Engine's; on CPU the local megatron-core ones, both from megatron's spec providers.
+
+Under TE a dense layer's pre-MLP RMSNorm is fused into ``linear_fc1`` (``pre_mlp_layernorm`` is an
+``IdentityOp``); a replaced layer has no ``linear_fc1``, so it gets the norm back as a module of its own.
+Its checkpoint key is the one megatron's local spec uses for that norm (``mlp.linear_fc1.layer_norm_weight``),
+so TE and local runs save and load the same keys.
 """
 
 from __future__ import annotations
@@ -11,9 +16,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional, Sequence
 
+from megatron.core.models.backends import LocalSpecProvider
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
-from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -24,12 +30,15 @@ from stem_megatron.model.stem_mlp import STEMMLP, STEMMLPSubmodules
 
 
 def linear_classes(use_te: bool):
-    """Column/row-parallel linear classes for the device: TE on GPU, megatron-core local on CPU."""
+    """Column/row-parallel linear classes for the device, from the provider megatron's own layer specs use:
+    TE on GPU, megatron-core local on CPU."""
     if use_te:
-        from megatron.core.extensions.transformer_engine import TEColumnParallelLinear, TERowParallelLinear
+        from megatron.core.extensions.transformer_engine_spec_provider import TESpecProvider
 
-        return TEColumnParallelLinear, TERowParallelLinear
-    return ColumnParallelLinear, RowParallelLinear
+        backend = TESpecProvider()
+    else:
+        backend = LocalSpecProvider()
+    return backend.column_parallel_linear(), backend.row_parallel_linear()
 
 
 def device_rows(table_init_std: Optional[float] = None) -> ModuleSpec:
@@ -50,6 +59,16 @@ def stem_mlp_spec(
         submodules=STEMMLPSubmodules(W_g=column, W_u=column, W_d=row, U_l=row_source or device_rows()),
         params={"variant": variant, "vocab_size": vocab_size},
     )
+
+
+def _replaced(layer: ModuleSpec, mlp: ModuleSpec, norm: type) -> ModuleSpec:
+    """``layer`` with ``mlp``, a pre-MLP norm module of its own (``norm``: the block's RMSNorm class, TE's on
+    GPU) where the dense spec had fused it into ``linear_fc1``, and that norm's checkpoint key fixed."""
+    sub = layer.submodules
+    pre_mlp_norm = norm if sub.pre_mlp_layernorm is IdentityOp else sub.pre_mlp_layernorm
+    keys = {**sub.sharded_state_dict_keys_map, "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"}
+    sub = dataclasses.replace(sub, mlp=mlp, pre_mlp_layernorm=pre_mlp_norm, sharded_state_dict_keys_map=keys)
+    return dataclasses.replace(layer, submodules=sub)
 
 
 def _with_attn_mask_type(layer: ModuleSpec, attn_mask_type: AttnMaskType) -> ModuleSpec:
@@ -77,11 +96,7 @@ def decoder_block_spec(
     block = get_gpt_decoder_block_spec(config, use_transformer_engine=use_te, normalization="RMSNorm", pp_rank=pp_rank)
     offset = get_transformer_layer_offset(config, pp_rank=pp_rank)
     wanted = set(replaced_layers)
-    layer_specs = [
-        dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, mlp=mlp))
-        if offset + i in wanted
-        else spec
-        for i, spec in enumerate(block.layer_specs)
-    ]
+    layer_specs = [_replaced(spec, mlp, block.layer_norm) if offset + i in wanted else spec
+                   for i, spec in enumerate(block.layer_specs)]
     layer_specs = [_with_attn_mask_type(spec, attn_mask_type) for spec in layer_specs]
     return dataclasses.replace(block, layer_specs=layer_specs)

@@ -5,8 +5,9 @@ The forward step wraps ``model(tokens, ...)`` in ``token_ids(tokens, vocab_size,
 deep inside the TransformerBlock passes ``current()`` to its row source, which reads the ids (a table
 on the device) or the fetched rows (host-resident tables); the Hash-MoE router reads
 ``current_token_ids()``. Ids are checked against the vocabulary once, where they first meet a table:
-by the fetch that produced ``rows`` (host tables), else here on entry, so a bad id fails with a clear
-message rather than inside an index kernel (a device assert on GPU).
+by the fetch that produced ``rows`` (host tables), by the caller on the host copy of the batch (the
+training and inference forwards: a check of a GPU tensor would wait for the device), else here on
+entry, so a bad id fails with a clear message rather than inside an index kernel (a device assert on GPU).
 """
 
 from __future__ import annotations
@@ -32,13 +33,14 @@ _current: Optional[MicroBatchTokens] = None
 
 
 @contextlib.contextmanager
-def token_ids(tokens: torch.Tensor, vocab_size: int, rows: Any = None) -> Iterator[None]:
+def token_ids(tokens: torch.Tensor, vocab_size: Optional[int], rows: Any = None) -> Iterator[None]:
     """Make ``tokens`` ([batch, seq]) and the rows fetched for them visible for one forward pass.
 
-    Without ``rows`` the ids are range-checked here; ``rows`` come from a fetch that checked them.
+    The ids are range-checked here unless ``rows`` are given (their fetch checked them) or
+    ``vocab_size`` is None (the caller checked them).
     """
     global _current
-    if rows is None:
+    if rows is None and vocab_size is not None:
         check_token_ids(tokens, vocab_size)
     previous, _current = _current, MicroBatchTokens(tokens, rows)
     try:

@@ -8,6 +8,7 @@ import itertools
 from pathlib import Path
 from typing import Iterator, Optional
 
+import torch
 from megatron.core import parallel_state
 
 from stem_megatron.config import RunConfig
@@ -59,7 +60,8 @@ def batch_stream(dataset, cfg: RunConfig, dp: int, store, num_micro_batches: int
     rows reflect ``tables_after`` optimizer steps (default ``start_step``: training; validation reads
     the tables as they are now)."""
     data = micro_batches(dataset, cfg.train.micro_batch_size, parallel_state.get_data_parallel_rank(), dp,
-                         start_step=start_step, num_micro_batches=num_micro_batches)
+                         start_step=start_step, num_micro_batches=num_micro_batches,
+                         pin_memory=torch.cuda.is_available())
     if steps is not None:
         data = itertools.islice(data, steps * num_micro_batches)
     return with_rows(data, store, num_micro_batches, cfg.stem.prefetch_depth,

@@ -16,6 +16,7 @@ from megatron.core import parallel_state
 from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
+from stem_megatron.data.integrity import check_token_ids
 from stem_megatron.model.token_context import token_ids
 
 
@@ -39,13 +40,16 @@ def make_forward_step(vocab_size: int):
 
     def forward_step(data_iterator: Iterator[dict], model: torch.nn.Module):
         batch = next(data_iterator)
-        if torch.cuda.is_available():  # the data iterator yields host tensors
-            batch = {k: v.cuda(non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+        rows = batch.pop("stem", None)  # host tables: fetched, ids checked, in the prefetch thread
+        if rows is None:
+            check_token_ids(batch["tokens"], vocab_size)  # on the host tensor: no wait for the device
+        if torch.cuda.is_available():  # the data iterator yields host tensors (pinned: the copies are async)
+            batch = {k: v.cuda(non_blocking=True) for k, v in batch.items()}
         tokens = batch["tokens"]
         position_ids = batch.get("position_ids")
         if position_ids is None:
             position_ids = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0).expand_as(tokens)
-        with token_ids(tokens, vocab_size, batch.get("stem")):
+        with token_ids(tokens, None, rows):
             output = model(tokens, position_ids, batch.get("attention_mask"), labels=batch["labels"])
         return output, functools.partial(_loss_func, batch.get("loss_mask"))
 

@@ -1,0 +1,288 @@
+"""The GPU branches, guarded on a CPU machine (docs/gpu.md): Transformer Engine layer specs built from
+stand-in TE classes (``te_stand_ins``), a FusedAdam-like optimizer, and the CUDA-only orderings and
+precisions of the host-table path checked through the interfaces that carry them.
+
+Model code runs in spawned processes (``distributed.run``): megatron on CPU installs a global torch
+function mode and process group, and the stand-ins patch megatron modules, neither of which may leak
+into the pytest process.
+"""
+
+import threading
+
+import distributed
+import pytest
+import torch
+
+from stem_megatron.config import ModelConfig, ParallelConfig, RunConfig, STEMConfig, TrainConfig
+from stem_megatron.model.sharding import global_name
+
+V, SEQ = 64, 16
+MODEL = ModelConfig(num_layers=3, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4, vocab_size=V,
+                    seq_length=SEQ)
+
+
+# --------------------------------------------------------------- Transformer Engine layer specs
+def _te_and_local(variant):
+    """The same weights in the TE-spec model (stand-ins) and the local-spec model: parameter names mapped,
+    checkpoint keys, pre-MLP norms of the replaced layers, logits."""
+    import te_stand_ins
+    from megatron.core.dist_checkpointing import ShardedTensor
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.transformer.identity_op import IdentityOp
+
+    from stem_megatron.checkpoint.dense import METADATA
+    from stem_megatron.model.gpt import build_gpt, transformer_config
+    from stem_megatron.model.sharding import load_full_weights, local_to_global
+    from stem_megatron.model.token_context import token_ids
+
+    te_stand_ins.install()
+    stem = STEMConfig(variant=variant, ratio="full", placement="device", num_experts=4)
+    config = transformer_config(MODEL, ParallelConfig(), on_gpu=False, stem=stem)
+    local, te = build_gpt(MODEL, stem, config, use_te=False), build_gpt(MODEL, stem, config, use_te=True)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # no parameter keeps its init (norm weights of ones would hide a missing norm)
+        for p in local.parameters():
+            p.add_(0.1 * torch.randn(p.shape, generator=g))
+    full = {name: p.detach().clone() for name, p in local.named_parameters()}
+    load_full_weights(te, full)
+
+    def checkpoint_keys(model):
+        return sorted(sh.key for sh in nested_values(model.sharded_state_dict(metadata=METADATA))
+                      if isinstance(sh, ShardedTensor))
+
+    tokens = torch.randint(0, V, (2, SEQ), generator=g)
+    positions = torch.arange(SEQ).expand(2, SEQ)
+    with torch.no_grad(), token_ids(tokens, V):
+        diff = (te(tokens, positions, None) - local(tokens, positions, None)).abs().max().item()
+    return {"names": sorted(local_to_global(te).values()), "local_names": sorted(full),
+            "te_keys": checkpoint_keys(te), "local_keys": checkpoint_keys(local),
+            "identity_pre_mlp_norm": [i for i, layer in enumerate(te.decoder.layers)
+                                      if i > 0 and isinstance(layer.pre_mlp_layernorm, IdentityOp)],
+            "logit_diff": diff}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", ["stem", "stem_dagger", "stem_gate", "hash_moe"])
+def test_te_layers_keep_their_pre_mlp_norm_and_local_names(variant):
+    """Finding 1 and 3: under TE a replaced layer keeps its pre-MLP RMSNorm (megatron's dense TE layer fuses
+    it into linear_fc1, which a STEM layer does not have), every TE parameter maps to the single-process
+    (local) name an export uses, both specs save the same checkpoint keys, and the models agree."""
+    out = distributed.run(_te_and_local, 1, variant)[0]
+    assert out["identity_pre_mlp_norm"] == [], "replaced layers without a pre-MLP norm under TE"
+    assert out["names"] == out["local_names"]
+    assert out["te_keys"] == out["local_keys"]
+    assert out["logit_diff"] < 1e-5, out["logit_diff"]
+
+
+def test_export_names_of_te_and_grouped_gemm_parameters():
+    """Finding 3: TE's fused-norm and grouped-GEMM names become the single-process model's names, with the
+    stage's layer offset and the EP rank's expert offset applied."""
+    cases = {
+        "decoder.layers.0.self_attention.linear_qkv.layer_norm_weight": "decoder.layers.2.input_layernorm.weight",
+        "decoder.layers.1.mlp.linear_fc1.layer_norm_weight": "decoder.layers.3.pre_mlp_layernorm.weight",
+        "decoder.layers.1.mlp.experts.linear_fc1.weight3": "decoder.layers.3.mlp.experts.local_experts.7.linear_fc1.weight",
+        "decoder.layers.0.mlp.experts.linear_fc2.weight0": "decoder.layers.2.mlp.experts.local_experts.4.linear_fc2.weight",
+        "decoder.layers.0.mlp.experts.local_experts.1.linear_fc1.weight":
+            "decoder.layers.2.mlp.experts.local_experts.5.linear_fc1.weight",
+        "decoder.layers.1.self_attention.linear_qkv.weight": "decoder.layers.3.self_attention.linear_qkv.weight",
+        "decoder.final_layernorm.weight": "decoder.final_layernorm.weight",
+    }
+    for te_name, single_process in cases.items():
+        assert global_name(te_name, offset=2, expert_offset=4) == single_process
+
+
+# ------------------------------------------------------------------------- FusedAdam and resume
+class FusedAdamStandIn(torch.optim.Optimizer):
+    """What megatron relies on of TE's FusedAdam: AdamW with ``step`` counted in the param group (not per
+    parameter), state ``exp_avg``/``exp_avg_sq`` only, and ``state_dict``/``load_state_dict`` that look
+    every per-parameter state name up in their dtype map (an unknown name raises KeyError, as TE does)."""
+
+    name_to_dtype_map = {"exp_avg": torch.float32, "exp_avg_sq": torch.float32, "master_param": torch.float32}
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, adam_w_mode=True):
+        super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
+
+    def initialize_state(self, param):
+        self.state[param].update(exp_avg=torch.zeros_like(param), exp_avg_sq=torch.zeros_like(param))
+
+    def state_dict(self):
+        state_dict = super().state_dict()
+        state_dict["state"] = {k: {name: v[name] for name in v if self.name_to_dtype_map[name]}
+                               for k, v in state_dict["state"].items()}
+        return state_dict
+
+    def load_state_dict(self, state_dict):
+        for v in state_dict["state"].values():
+            for name in v:
+                self.name_to_dtype_map[name]  # TE's set_scaled_state: KeyError for a state it does not keep
+        super().load_state_dict(state_dict)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            group["step"] = group.get("step", 0) + 1
+            beta1, beta2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if not self.state[p]:
+                    self.initialize_state(p)
+                m, v = self.state[p]["exp_avg"], self.state[p]["exp_avg_sq"]
+                m.mul_(beta1).add_(p.grad, alpha=1 - beta1)
+                v.mul_(beta2).addcmul_(p.grad, p.grad, value=1 - beta2)
+                m_hat, v_hat = m / (1 - beta1 ** group["step"]), v / (1 - beta2 ** group["step"])
+                p.mul_(1 - group["lr"] * group["weight_decay"]).addcdiv_(m_hat, v_hat.sqrt().add_(group["eps"]),
+                                                                         value=-group["lr"])
+
+
+def _resume_with_fused_adam(directory):
+    """Two steps with the FusedAdam stand-in, a checkpoint, a fresh model and optimizer loaded from it."""
+    from megatron.core import optimizer as megatron_optimizer
+    from megatron.core.optimizer import distrib_optimizer
+
+    from stem_megatron.checkpoint import dense
+    from stem_megatron.training.setup import setup_model
+    from stem_megatron.training.step import train_step
+
+    # megatron picks TE's FusedAdam when TE is installed: make it pick the stand-in, with TE's semantics
+    megatron_optimizer.Adam, megatron_optimizer.USING_PYTORCH_OPTIMIZER = FusedAdamStandIn, False
+    distrib_optimizer.Adam = FusedAdamStandIn
+    distrib_optimizer.HAVE_APEX_OR_TE, distrib_optimizer.USING_TE_OPTIMIZER = True, True
+    cfg = RunConfig(model=MODEL, stem=STEMConfig(ratio="full", placement="device"),
+                    train=TrainConfig(steps=4, micro_batch_size=2, global_batch_size=2, lr=1e-2))
+    g = torch.Generator().manual_seed(0)
+
+    def batches():
+        while True:
+            s = torch.randint(0, V, (2, SEQ + 1), generator=g)
+            yield {"tokens": s[:, :-1], "labels": s[:, 1:]}
+
+    first = setup_model(cfg)
+    data = batches()
+    for _ in range(2):
+        train_step(first, data, 1, 2, SEQ, V)
+    dense.save(first.model, first.optimizer, directory)
+    second = setup_model(cfg)
+    dense.load(second.model, second.optimizer, directory, step=2)
+
+    def state(trainer):
+        inner = trainer.optimizer.optimizer
+        return ([p.detach().clone() for p in trainer.model.parameters()],
+                [{k: v.clone() for k, v in inner.state[p].items()} for pg in inner.param_groups for p in pg["params"]],
+                [pg.get("step") for pg in inner.param_groups])
+
+    return {"inner": type(second.optimizer.optimizer).__name__, "first": state(first), "second": state(second)}
+
+
+@pytest.mark.slow
+def test_resume_with_a_fused_adam_optimizer(tmp_path):
+    """Finding 2: a checkpoint of a run on TE's FusedAdam loads (no per-parameter ``step`` is injected into
+    its state) and restores every weight, both Adam moments and the step count."""
+    out = distributed.run(_resume_with_fused_adam, 1, tmp_path / "dense")[0]
+    assert out["inner"] == "FusedAdamStandIn"
+    weights, moments, steps = out["first"]
+    weights2, moments2, steps2 = out["second"]
+    assert all(torch.equal(a, b) for a, b in zip(weights, weights2))
+    assert moments2 and all(set(m) == {"exp_avg", "exp_avg_sq"} for m in moments2)
+    assert all(torch.equal(a[k], b[k]) for a, b in zip(moments, moments2) for k in a)
+    assert steps2 == steps == [2] * len(steps)
+
+
+# ------------------------------------------------------------------------------ host-table path
+class RecordingHostToDevice:
+    """``HostToDevice`` on the CPU that logs the calls which order GPU work (the side stream, the cache
+    event), so their order is checked where no stream exists."""
+
+    def __init__(self, log):
+        from stem_megatron.host_tables.transfer import HostToDevice
+
+        self.log, self.inner = log, HostToDevice(torch.device("cpu"))
+        self.device = self.inner.device
+
+    def stream(self):
+        self.log.append("side stream")
+        return self.inner.stream()
+
+    def cache_written(self):
+        self.log.append("cache written")
+
+    def wait_for_cache(self):
+        self.log.append("side stream waits for the cache")
+
+    def copy(self, tensor):
+        self.log.append("copy")
+        return tensor
+
+    def record(self):
+        return None
+
+
+def _cache_ordering():
+    from stem_megatron.host_tables.store import HostTableStore
+
+    log = []
+    store = HostTableStore([1], vocab_size=16, d_ff=8, init_std=1.0, seed=0, cache_rows=4)
+    store.h2d = RecordingHostToDevice(log)
+    refresh = store.cache.refresh
+    store.cache.refresh = lambda *a: log.append("cache refresh") or refresh(*a)
+
+    class Version(threading.Condition):  # the prefetcher waits on it for the next step's rows
+        def notify_all(self):
+            log.append("publish")
+            super().notify_all()
+
+    store._version = Version()
+    tokens = torch.tensor([[1, 2, 3, 1]])
+    store.fetch(tokens)  # the counts the cache picks its rows from
+    store.step(lr=0.1)  # no gradients: the tables stay, the cache is (re)filled
+    log.append("next fetch")
+    rows = store.fetch(tokens).fetched.rows[1]
+    return log, torch.equal(rows, store.weight[1][torch.tensor([1, 2, 3])])
+
+
+@pytest.mark.slow
+def test_cache_refresh_is_ordered_before_the_version_publish():
+    """Finding 5: the hot-row cache is written on the training stream and read on the fetch's side stream;
+    the writes are marked (an event on GPU) before the new version is published, and a fetch that reads
+    cached rows makes its side stream wait for that mark before any copy."""
+    log, rows_ok = distributed.run(_cache_ordering, 1)[0]
+    after_step = log[log.index("cache refresh"):]
+    assert after_step[:3] == ["cache refresh", "cache written", "publish"], log
+    fetch = log[log.index("next fetch") + 1:]
+    assert fetch[:2] == ["side stream", "side stream waits for the cache"], log
+    assert rows_ok
+
+
+class _Store:
+    """What ``HostRowSource`` needs of a store: its vocabulary and layers, and where rows register."""
+
+    vocab_size, layers = V, [1]
+
+    def register(self, layer, uniq, rows):
+        self.rows = rows
+
+
+def test_repeated_token_gradients_add_up_in_fp32_under_bf16():
+    """Finding 7: with a bf16 model (GPU) the gradient of a row used by many tokens is the fp32 sum of their
+    bf16 gradients; gathering bf16 rows would add the repeats in bf16 (8 significant bits)."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from stem_megatron.host_tables.row_source import HostRowSource
+    from stem_megatron.host_tables.transfer import Fetched, PrefetchedRows
+    from stem_megatron.model.token_context import MicroBatchTokens
+
+    config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1, ffn_hidden_size=4,
+                               params_dtype=torch.bfloat16)
+    source, store = HostRowSource(config, V, _Store()), None
+    store = source.store
+    source.set_layer_number(1)
+    inverse = torch.zeros(4, 512, dtype=torch.long)  # 2048 repeats of one token
+    rows = torch.randn(1, 4)
+    prefetched = PrefetchedRows(torch.tensor([5]), inverse, Fetched({1: rows}, None, {}))
+    out = source(MicroBatchTokens(torch.full((4, 512), 5), prefetched))
+    assert out.dtype == torch.bfloat16 and out.shape == (512, 4, 4)
+    grad = (torch.rand(out.shape, generator=torch.Generator().manual_seed(0)) + 0.5).to(torch.bfloat16)
+    out.backward(grad)
+    exact = grad.double().sum(dim=(0, 1))
+    assert store.rows.grad.dtype == torch.float32
+    assert torch.allclose(store.rows.grad[0].double(), exact, rtol=1e-6), (store.rows.grad[0], exact)
