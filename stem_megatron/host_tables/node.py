@@ -4,7 +4,11 @@ A STEM table is needed by every local rank of the pipeline stage that owns its l
 reads its column block, DP replicas on the node read the same block). It is mapped from one tmpfs
 file per node: the node's first rank that needs it creates and initialises it, the others map the
 same pages, and the file name is unlinked once everyone has it mapped, so a crashed run leaks no
-/dev/shm file. Ranks are assumed to be placed node by node (torchrun / srun block placement).
+/dev/shm file.
+
+The node is the launcher's: torchrun's agent (its ``GROUP_RANK``), else SLURM's node (``SLURM_NODEID``),
+never a guess from rank order. Several torchrun agents on one host are separate nodes with their own
+host copies (file names carry the node), which is how multi-node runs are tested on one machine.
 """
 
 from __future__ import annotations
@@ -33,17 +37,24 @@ class NodeLayout:
         return self.local_dp_peers.index(dist.get_rank())
 
 
+def launcher_node() -> int:
+    """This process' node as its launcher numbers it: torchrun's agent, else SLURM's node, else 0."""
+    for var in ("GROUP_RANK", "SLURM_NODEID"):
+        if os.environ.get(var, "").isdigit():
+            return int(os.environ[var])
+    return 0
+
+
 def node_layout(dp_ranks: Sequence[int]) -> NodeLayout:
     """Collective over the world: every rank passes the global ranks of its DP group."""
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
-    world = dist.get_world_size()
-    node = dist.get_rank() // local
-    group = None
-    for n in range(world // local):  # every rank creates every node group, in the same order
-        g = dist.new_group(list(range(n * local, (n + 1) * local)), backend="gloo")  # host-side sync
+    nodes: list = [None] * dist.get_world_size()
+    dist.all_gather_object(nodes, launcher_node())
+    node, group = nodes[dist.get_rank()], None
+    for n in sorted(set(nodes)):  # every rank creates every node group, in the same order
+        g = dist.new_group([r for r, m in enumerate(nodes) if m == n], backend="gloo")  # host-side sync
         if n == node:
             group = g
-    peers = sorted(r for r in dp_ranks if r // local == node)
+    peers = sorted(r for r in dp_ranks if nodes[r] == node)
     return NodeLayout(node=node, group=group, local_dp_peers=peers)
 
 

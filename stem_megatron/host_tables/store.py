@@ -69,7 +69,7 @@ class HostTableStore:
         self.node = node_layout(dist.get_process_group_ranks(self.dp_group))
         run_id = [secrets.token_hex(6) if dist.get_rank() == 0 else None]
         dist.broadcast_object_list(run_id, src=0)
-        self._names = {(layer, kind): f"stem-{run_id[0]}-L{layer}-{kind}"
+        self._names = {(layer, kind): f"stem-{run_id[0]}-n{self.node.node}-L{layer}-{kind}"
                        for layer in self.layers for kind in ("weight", "exp_avg", "exp_avg_sq")}
         by_name = {name: key for key, name in self._names.items()}
 
