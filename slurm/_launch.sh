@@ -48,7 +48,6 @@ CPUS=${SLURM_CPUS_PER_TASK:-$(nproc)}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( CPUS / NPROC > 0 ? CPUS / NPROC : 1 ))}
 export TORCH_NCCL_ASYNC_ERROR_HANDLING=${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}  # a hung/failed collective ends the job
 # (NCCL_ASYNC_ERROR_HANDLING is the name before torch 2.2; torch 2.13 only warns about it)
-export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-1}          # megatron: ordered TP comm/compute
 # Fabric settings depend on the cluster; uncomment what yours needs:
 # export NCCL_DEBUG=INFO                 # or WARN
 # export NCCL_SOCKET_IFNAME=ib0          # NCCL bootstrap/socket interface (ib0, eth0, ^lo,docker, ...)
@@ -57,6 +56,19 @@ export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-1}          # 
 # export NCCL_IB_DISABLE=1               # no InfiniBand: TCP sockets only
 # export NCCL_NET_GDR_LEVEL=PHB          # GPUDirect RDMA distance
 # export NCCL_IB_TIMEOUT=22
+# gloo (megatron's host-side groups, the STEM tables' node groups) uses the interface its hostname resolves to
+# unless GLOO_SOCKET_IFNAME names some (comma-separated). NCCL_SOCKET_IFNAME is mirrored when it lists this node's
+# interfaces; its prefix and ^exclusion forms (ib, ^lo,docker) mean nothing to gloo: set GLOO_SOCKET_IFNAME then.
+if [ -z "${GLOO_SOCKET_IFNAME:-}" ] && [ -n "${NCCL_SOCKET_IFNAME:-}" ]; then
+  gloo_ifs=$NCCL_SOCKET_IFNAME
+  for i in ${NCCL_SOCKET_IFNAME//,/ }; do [ -e "/sys/class/net/$i" ] || gloo_ifs=""; done
+  if [ -n "$gloo_ifs" ]; then
+    export GLOO_SOCKET_IFNAME=$gloo_ifs
+  else
+    echo "note: NCCL_SOCKET_IFNAME=$NCCL_SOCKET_IFNAME names no interfaces of $(hostname) as such:" \
+         "gloo keeps its default; set GLOO_SOCKET_IFNAME=<interface> if its groups hang" >&2
+  fi
+fi
 export PYTHONUNBUFFERED=1
 # JIT-built ops (DeepSpeed's CPU Adam for the host tables) per venv, not the shared ~/.cache/torch_extensions:
 # two checkouts (venvs) sharing that cache rebuild the op on every switch, minutes each time.
@@ -78,6 +90,17 @@ else
   if [ -n "${SLURM_ARRAY_JOB_ID:-}" ]; then tag=${SLURM_ARRAY_JOB_ID}_${SLURM_ARRAY_TASK_ID}; else tag=$SLURM_JOB_ID; fi
   OUT_DIR=${OUT_DIR:-runs/slurm/${SLURM_JOB_NAME}-$tag}
   OVERRIDES+=("out_dir=$OUT_DIR")
+fi
+
+# ---- GPUs: checked before srun -----------------------------------------------------------------------------
+# torch must see them (a venv set up on the login node has CPU torch: job_start names the fix). The run's
+# tensor-parallel size, from its config composed as stem-train does (recipe + overrides; a misspelt override fails
+# here), decides CUDA_DEVICE_MAX_CONNECTIONS=1: one hardware queue, so that megatron's TP / sequence-parallel
+# communication overlaps compute in issue order. At TP=1 nothing needs it, and it would serialise the STEM prefetch
+# side-stream copies with compute.
+if [ "$GPUS_PER_NODE" -gt 0 ]; then
+  TP=$("$PYTHON" -m stem_megatron.doctor.job_start "$NPROC" "${OVERRIDES[@]}") || exit 2
+  if [ "$TP" -gt 1 ]; then export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-1}; fi
 fi
 
 # ==== RESUME ==============================================================================================

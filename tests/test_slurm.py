@@ -4,7 +4,7 @@
 cluster is already up). ``slurm/pretrain_1b.sh`` (a multi-node GPU script) then runs a tiny CPU job with
 the overrides docs/cluster.md gives: 2 processes under torchrun's c10d rendezvous, launched by srun, and
 a requeue on SIGUSR1 (what ``--signal=B:USR1@120`` sends before the time limit) restarts the job, which
-resumes from its latest checkpoint.
+resumes from its latest checkpoint. A GPU job whose venv has CPU torch stops before srun, naming the fix.
 The jobs keep STEM tables on the device so they do not wait for DeepSpeed's CPU Adam to JIT-compile.
 """
 
@@ -87,6 +87,18 @@ def test_pretrain_script_runs_tiny_cpu_job(slurm, corpus, tmp_path):
     # the script's recipe where not overridden: variant=stem_1_3, +experiment=pretrain_1b's schedule
     assert config["stem"]["ratio"] == "1/3" and config["train"]["lr"] == 4e-4
     assert config["parallel"]["tensor_model_parallel_size"] == 2
+
+
+def test_gpu_job_with_cpu_torch_stops_before_srun(slurm, corpus, tmp_path):
+    """A GPU job (GPUS_PER_NODE=2) whose venv has CPU torch, as when setup ran on the login node, ends at once
+    with the fix instead of training on the CPU."""
+    proc = submit(tmp_path, "--wait", *SBATCH_CPU, str(SCRIPT), *tiny(corpus, tmp_path / "run", 3), timeout=120,
+                  env={"GPUS_PER_NODE": "2"})
+    job_id = proc.stdout.strip().split(";")[0]
+    text = (tmp_path / "logs" / f"pretrain_1b-{job_id}.out").read_text()
+    assert proc.returncode != 0 and job_info(job_id)["ExitCode"] == "2:0", text
+    assert "this venv has a CPU build of torch" in text and "make setup STEM_DEVICE=gpu" in text
+    assert "srun:" not in text and not (tmp_path / "run").exists()
 
 
 def wait_for(predicate, timeout, what):

@@ -1,0 +1,61 @@
+"""``stem-doctor [OVERRIDE...]``: checks this machine for training, one line per check, then trains the tiny model
+on the CPU and on the GPUs (when there are any) and compares the losses. Exits 1 when a check fails, each FAIL
+naming its fix; skipped checks (no GPU, no demo corpus) do not fail. See docs/gpu.md."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import tempfile
+import warnings
+from pathlib import Path
+from typing import Optional, Sequence
+
+from stem_megatron.doctor.report import FAIL
+
+DEMO_DATA = Path(__file__).resolve().parents[2] / "data_cache" / "python-doc"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="stem-doctor",
+        description="Checks this machine for training, one line per check (exit 1 when one fails), then trains the "
+                    "tiny model on the CPU and on the GPUs and compares the losses. See docs/gpu.md.")
+    parser.add_argument("overrides", nargs="*",
+                        help="Hydra overrides of the run whose STEM tables /dev/shm must hold, e.g. "
+                             "+experiment=pretrain_1b (default: the demo); the training check trains the tiny model")
+    parser.add_argument("--steps", type=int, default=10, help="training steps of each compared job (default 10)")
+    parser.add_argument("--data", type=Path, default=DEMO_DATA, help=f"the demo corpus (default {DEMO_DATA})")
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    args = build_parser().parse_args(argv)
+    # the venv's op build, as the Makefile and slurm/_launch.sh use (not the ~/.cache one other venvs share)
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # megatron's import-time notices that TE and Apex are absent (CPU)
+        from stem_megatron.doctor import checks, training
+        from stem_megatron.doctor.cuda import gpu_count
+
+    gpus = gpu_count()
+    results = checks.environment(gpus > 0, args.overrides)
+    failed = [r.name for r in results if r.status == FAIL]
+    workdir = Path(tempfile.mkdtemp(prefix="stem-doctor-"))
+    blocked = f"fix the FAIL above first ({', '.join(failed)})" if failed else None
+    results += training.train_and_compare(args.data.resolve(), args.steps, gpus, workdir, blocked=blocked)
+    failed = [r.name for r in results if r.status == FAIL]
+    keep = failed and any(workdir.iterdir())
+    if not keep:
+        shutil.rmtree(workdir)
+    if failed:
+        print(f"stem-doctor: {len(failed)} check(s) failed: {', '.join(failed)}"
+              + (f" (job logs kept in {workdir})" if keep else ""))
+        sys.exit(1)
+    print("stem-doctor: every check that applies here passed")
+
+
+if __name__ == "__main__":
+    main()

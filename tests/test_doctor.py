@@ -1,0 +1,102 @@
+"""``stem-doctor`` on this machine (no GPU): GPU items skipped, the environment and CPU training checks pass, exit 0,
+and nothing on stderr; a broken DeepSpeed op fails it naming the fix; the GPU-vs-CPU comparison run end to end with
+the "GPU" job on the CPU; the loss tolerance and the TE version range; the launcher's job-start check."""
+
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+from packaging.requirements import Requirement
+
+from stem_megatron.doctor import cli, cuda, job_start, training, versions
+from stem_megatron.doctor.report import OK
+from stem_megatron.host_tables import row_adam
+from stem_megatron.parallel import child_env
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.slow
+def test_doctor_passes_here_with_gpu_items_skipped():
+    proc = subprocess.run([sys.executable, "-m", "stem_megatron.doctor.cli"], capture_output=True, text=True,
+                          env=child_env(), timeout=900)
+    lines = proc.stdout.splitlines()
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stderr == ""  # no warnings, no tracebacks, no build output
+    for name in ("CUDA", "NCCL", "Transformer Engine", "pinned memory", "GPU training vs CPU"):
+        assert f"skipped  {name}: no GPU" in lines
+    for name in ("versions", "DeepSpeed CPU Adam op", "/dev/shm"):
+        assert any(line.startswith(f"ok       {name}: ") for line in lines), name
+    assert any(line.startswith("ok       CPU training: 10 steps at TP=2 over gloo, loss ") for line in lines)
+    assert lines[-1] == "stem-doctor: every check that applies here passed"
+
+
+def test_broken_deepspeed_op_fails_naming_the_fix(monkeypatch, capsys, tmp_path):
+    def no_compiler():
+        raise RuntimeError("Error building extension 'cpu_adam'\nninja: build stopped: subcommand failed.")
+
+    monkeypatch.setattr(row_adam, "_kernel", no_compiler)
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    with pytest.raises(SystemExit) as exit_:
+        cli.main([])
+    out, err = capsys.readouterr()
+    assert exit_.value.code == 1
+    assert ("FAIL     DeepSpeed CPU Adam op: RuntimeError: Error building extension 'cpu_adam'; fix: run `make setup`"
+            in out)
+    assert "skipped  CPU training: fix the FAIL above first (DeepSpeed CPU Adam op)" in out
+    assert "stem-doctor: 1 check(s) failed: DeepSpeed CPU Adam op" in out
+    assert "Traceback" not in out + err
+
+
+@pytest.mark.slow
+def test_gpu_comparison_end_to_end_with_the_gpu_job_on_cpu(tmp_path):
+    """The GPU branch's jobs (init checkpoint, reference, compared run) and comparison, its "GPU" job on the CPU:
+    same weights and batches, so the losses agree exactly."""
+    results = training.train_and_compare(cli.DEMO_DATA, 3, 2, tmp_path, gpu_env=child_env(CUDA_VISIBLE_DEVICES=""))
+    assert [r.status for r in results] == [OK, OK], results
+    assert results[1].detail == "3 steps at TP=2 on 2 GPU(s) within 0.02 of the CPU run (max 0.0e+00)"
+    assert (tmp_path / "init" / "checkpoints" / "latest").exists()
+
+
+def test_loss_comparison_tolerance():
+    cpu = [8.35, 8.10, 7.60]
+    assert training.loss_mismatches([8.36, 8.05, 7.70], cpu) == []  # bf16-sized differences (< 2e-2 relative)
+    assert training.loss_mismatches([8.35, 8.10, 7.80], cpu) == ["step 3: GPU 7.8000 vs CPU 7.6000"]  # 2.6e-2
+    assert training.loss_mismatches([8.35, float("nan"), 7.60], cpu) == ["step 2: GPU nan vs CPU 8.1000"]
+    assert training.loss_mismatches([8.35, 8.10], cpu) == ["the GPU run logged 2 steps, the CPU run 3"]
+    assert training.loss_mismatches([8.5], [8.35], rtol=1e-2) == ["step 1: GPU 8.5000 vs CPU 8.3500"]
+
+
+def test_transformer_engine_version_range():
+    supported = versions.te_range()  # from megatron-core 0.16.1's metadata
+    assert str(supported) == "<2.12.0,>=2.9.0a0"
+    for version in ("2.9.0", "2.10.0", "2.11.0+4e0f6ab", "2.9.0rc1"):  # releases, an NGC build, a pre-release
+        assert versions.in_range(version, supported), version
+    for version in ("2.8.0", "2.12.0", "2.12.0.dev0", "3.0.0", "not-a-version"):
+        assert not versions.in_range(version, supported), version
+    extra = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]["gpu"]
+    assert Requirement(extra[0]).specifier == supported  # the gpu extra installs what megatron-core supports
+
+
+def test_layout_of_the_comparison():
+    assert [training.layout(n) for n in (0, 1, 2, 3, 4, 8)] == [(2, 1), (1, 1), (2, 1), (2, 1), (2, 2), (2, 2)]
+
+
+def test_job_start_prints_tp_and_stops_on_cpu_torch(monkeypatch, capsys):
+    with pytest.raises(SystemExit) as exit_:  # this machine: CPU torch
+        job_start.main(["2", "parallel=tp2"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "this venv has a CPU build of torch" in err
+    assert "srun -N1 --gpus-per-node=1 make setup STEM_DEVICE=gpu" in err
+
+    monkeypatch.setattr(cuda, "cuda_problem", lambda wanted: None)  # as on a GPU node
+    for overrides, tp in ((["parallel=tp2"], "2"), (["+experiment=pretrain_1b", "variant=stem_1_3"], "1"),
+                          (["parallel=tp2", "parallel.tensor_model_parallel_size=4"], "4")):
+        job_start.main(["8", *overrides])
+        assert capsys.readouterr().out == f"{tp}\n", overrides
+    with pytest.raises(SystemExit) as exit_:
+        job_start.main(["8", "parallel.tensor_size=2"])
+    assert exit_.value.code == 2 and "the overrides do not compose" in capsys.readouterr().err
