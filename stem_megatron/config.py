@@ -142,6 +142,7 @@ class CheckpointConfig:
     save_interval: int = 0  # save every this many steps (0: only after the last step)
     keep: int = 2  # complete checkpoints kept (0: all)
     resume: bool = True  # continue from <dir>/latest when it exists
+    fallback: bool = True  # a damaged newest checkpoint is reported and the newest intact one used (false: refuse)
     load: Optional[str] = None  # resume from this checkpoint (a step dir or a root with `latest`) instead
     init_from: Optional[str] = None  # new run whose weights and STEM tables come from this checkpoint
     init_required: bool = False  # the recipe continues an earlier stage: init_from must be given

@@ -144,8 +144,9 @@ def _damage(checkpoint: Path, how: str) -> str:
 @pytest.mark.slow
 @pytest.mark.parametrize("how", ["truncate", "flip"])
 def test_damaged_checkpoint_is_reported_and_not_loaded(corpus, tmp_path, how):
+    """checkpoint.fallback=false: a damaged checkpoint stops the run, naming the file and the damage."""
     out = tmp_path / "run"
-    common = ["stem.placement=host", "model.num_layers=2"]
+    common = ["stem.placement=host", "model.num_layers=2", "checkpoint.fallback=false"]
     _train(corpus, out, *common, nproc=1, parallel="single", steps=3)
     expected = _damage(out / "checkpoints" / "step_000003", how)
     proc = _train(corpus, out, *common, nproc=1, parallel="single", steps=6, check=False)
@@ -153,6 +154,23 @@ def test_damaged_checkpoint_is_reported_and_not_loaded(corpus, tmp_path, how):
     assert f"checkpoint {out / 'checkpoints' / 'step_000003'} is damaged" in proc.stderr
     assert expected in proc.stderr and ".distcp" in proc.stderr
     assert (out / "checkpoints" / "step_000003").is_dir()  # nothing saved is deleted
+
+
+@pytest.mark.slow
+def test_damaged_newest_checkpoint_falls_back_to_the_newest_intact_one(corpus, tmp_path):
+    """A requeued job whose newest checkpoint is damaged reports it, resumes from the newest intact one and
+    trains the same losses as an uninterrupted run; the damaged checkpoint stays on disk until replaced."""
+    common = ["stem.placement=host", "model.num_layers=2", "checkpoint.save_interval=2", "checkpoint.keep=0"]
+    straight = tmp_path / "straight"
+    _train(corpus, straight, *common, nproc=1, parallel="single", steps=6)
+    out = tmp_path / "run"
+    _train(corpus, out, *common, "train.exit_after_steps=4", nproc=1, parallel="single", steps=6)
+    _damage(out / "checkpoints" / "step_000004", "flip")
+    proc = _train(corpus, out, *common, nproc=1, parallel="single", steps=6)
+    assert f"checkpoint {out / 'checkpoints' / 'step_000004'} is damaged" in proc.stderr
+    assert "resumed from" in proc.stdout and "step_000002 after step 2" in proc.stdout
+    assert [r["loss"] for r in _metrics(out)] == [r["loss"] for r in _metrics(straight)]
+    assert [r["step"] for r in _metrics(out)] == list(range(1, 7))
 
 
 def _resolve_cases(root):

@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import dataclasses
+import sys
 from pathlib import Path
 from typing import Optional
 
@@ -52,15 +53,56 @@ def save(cfg: RunConfig, trainer, detector, step: int) -> Path:
     return atomic.commit(staging, step, meta, cfg.checkpoint.keep)
 
 
-def find(cfg: RunConfig) -> Optional[Path]:
-    """The checkpoint this run resumes from: ``checkpoint.load``, else ``<dir>/latest`` when
-    ``checkpoint.resume``; None for a fresh start."""
-    if cfg.checkpoint.load:
-        found = atomic.resolve(Path(cfg.checkpoint.load))
-        if found is None:
-            raise CheckpointError(f"checkpoint.load={cfg.checkpoint.load} holds no checkpoint")
-        return found
-    return atomic.resolve(root_dir(cfg)) if cfg.checkpoint.resume else None
+def find(cfg: RunConfig) -> Optional[tuple[Path, dict]]:
+    """The checkpoint this run resumes from, verified, and its manifest: ``checkpoint.load``, else
+    ``<dir>/latest`` when ``checkpoint.resume``; None for a fresh start (collective).
+
+    A checkpoint root (not an explicit step directory) whose newest checkpoint is damaged or missing is
+    reported and the newest intact earlier one used, unless ``checkpoint.fallback=false``; nothing is
+    deleted. A requeued job thus continues where an intact checkpoint exists."""
+    c = cfg.checkpoint
+    if c.load and (Path(c.load) / atomic.MANIFEST).exists():  # an explicit step directory: that one or none
+        return Path(c.load), atomic.verify(Path(c.load))
+    if not (c.load or c.resume):
+        return None
+    root = Path(c.load or root_dir(cfg))
+    found = _newest_intact(root) if c.fallback else _latest(root)
+    if found is None and c.load:
+        raise CheckpointError(f"checkpoint.load={c.load} holds no checkpoint")
+    return found
+
+
+def _latest(root: Path) -> Optional[tuple[Path, dict]]:
+    path = atomic.resolve(root)
+    return None if path is None else (path, atomic.verify(path))
+
+
+def _newest_intact(root: Path) -> Optional[tuple[Path, dict]]:
+    """The checkpoint ``latest`` names, else the newest earlier one that verifies (collective)."""
+    earlier = atomic.complete_checkpoints(root)
+    try:
+        latest = atomic.resolve(root)
+    except CheckpointError as error:  # the marker names nothing usable: start from the newest sealed one
+        _warn(f"{error}; looking for an earlier intact checkpoint")
+        latest = None
+    names = [p.name for p in earlier]  # oldest first
+    if latest is not None and latest.name in names:
+        earlier = earlier[:names.index(latest.name)]
+    problems = []
+    for path in ([latest] if latest is not None else []) + earlier[::-1]:
+        try:
+            return path, atomic.verify(path)
+        except CheckpointError as error:
+            problems.append(str(error))
+            _warn(f"{error} Trying the checkpoint before it (checkpoint.fallback=false refuses instead).")
+    if problems:
+        raise CheckpointError(f"no intact checkpoint under {root}: " + " | ".join(problems))
+    return None
+
+
+def _warn(message: str) -> None:
+    if dist.get_rank() == 0:
+        print(f"warning: {message}", file=sys.stderr, flush=True)
 
 
 def _check_compatible(cfg: RunConfig, manifest: dict, path: Path) -> None:
@@ -78,9 +120,9 @@ def _check_compatible(cfg: RunConfig, manifest: dict, path: Path) -> None:
                               f"{manifest['layout']['tp']}; resume with that size")
 
 
-def load(path: Path, cfg: RunConfig, trainer, detector) -> int:
-    """Restore everything saved by ``save``; returns the step to continue after (collective)."""
-    manifest = atomic.verify(path)
+def load(path: Path, manifest: dict, cfg: RunConfig, trainer, detector) -> int:
+    """Restore everything saved by ``save`` (``find`` verified it); returns the step to continue after
+    (collective)."""
     _check_compatible(cfg, manifest, path)
     dense.load(trainer.model, trainer.optimizer, path / "dense", manifest["step"])
     step = train_state.load(path, trainer.scheduler, detector, same_layout=manifest["layout"] == _layout())

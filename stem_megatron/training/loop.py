@@ -40,9 +40,10 @@ def run(cfg: RunConfig) -> list[dict]:
 
 def _resume(cfg: RunConfig, trainer: Trainer, detector: SpikeDetector) -> int:
     """Load the checkpoint this run continues from (or the weights it starts from); returns the step."""
-    path = checkpoints.find(cfg)
-    if path is not None:
-        step = checkpoints.load(path, cfg, trainer, detector)
+    found = checkpoints.find(cfg)
+    if found is not None:
+        path, manifest = found
+        step = checkpoints.load(path, manifest, cfg, trainer, detector)
         if dist.get_rank() == 0:
             print(f"resumed from {path} after step {step}", flush=True)
         return step
