@@ -1,6 +1,6 @@
 """Plot loss (loss spikes marked), grad norm and learning rate vs step of one or more runs side by side.
 
-    .venv/bin/python tools/plot_metrics.py runs/tiny-dense-0 runs/tiny-stem-1_3 --out compare.png
+    .venv/bin/python tools/plot_metrics.py runs/tiny-dense-0-* runs/tiny-stem-1_3-* --out compare.png
 
 Each RUN_DIR holds ``metrics.jsonl`` (one record per logged step, written by the training loop) and
 ``config.json``; a run is labelled by its ``stem.variant`` and ``stem.ratio`` (``dense`` for dense),

@@ -73,6 +73,7 @@ def _train(cfg: RunConfig, dp: int) -> list[dict]:
     last = t.steps if t.exit_after_steps is None else min(t.steps, resumed + t.exit_after_steps)
     n_micro = t.global_batch_size // (t.micro_batch_size * dp)
     if rank0:
+        print(f"run directory: {cfg.out_dir}", flush=True)
         Path(cfg.out_dir).mkdir(parents=True, exist_ok=True)
         (Path(cfg.out_dir) / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
     writer = MetricsWriter(cfg.out_dir, rank0, t.steps, resume_step=resumed)

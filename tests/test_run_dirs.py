@@ -1,0 +1,51 @@
+"""A run never resumes a stranger: the default run directory carries a digest of what decides the training,
+and each job of a Hydra sweep runs in its own directory under the sweep's; the same command (a requeue or
+a rerun) still resumes its own run."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+from conftest import VOCAB
+
+SMALL = ["model.num_layers=2", "model.seq_length=32", f"model.vocab_size={VOCAB}", f"data.vocab_size={VOCAB}",
+         "train.steps=3", "train.micro_batch_size=2", "train.global_batch_size=4"]
+
+
+def _stem_train(cwd, *args, nproc=None):
+    launcher = ["-m", "torch.distributed.run", f"--nproc_per_node={nproc}"] if nproc else []
+    proc = subprocess.run([sys.executable, *launcher, "-m", "stem_megatron.train", *args], cwd=cwd,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    return proc.stdout
+
+
+def _first_steps(run_dir):
+    return [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()][:1]
+
+
+@pytest.mark.slow
+def test_a_sweep_after_the_demo_starts_every_job_from_step_one(corpus, tmp_path):
+    """The README's demo (TP=2) and then a ratio sweep on one process, from the same directory: the sweep
+    does not pick up the demo's checkpoint, and rerunning the demo's command resumes the demo."""
+    data = f"data.dir={corpus}"
+    demo = _stem_train(tmp_path, *SMALL, data, nproc=2)
+    demo_dir = tmp_path / demo.split("run directory: ", 1)[1].splitlines()[0]
+    assert demo_dir.name.startswith("tiny-stem-1_3-") and _first_steps(demo_dir) == [1]
+    sweep = _stem_train(tmp_path, "-m", "stem.ratio=1/3,full", "parallel=single", *SMALL, data)
+    assert "resumed from" not in sweep
+    jobs = sorted(p for p in (tmp_path / "runs" / "multirun").glob("*/*") if (p / "metrics.jsonl").exists())
+    assert [job.name for job in jobs] == ["0", "1"]
+    assert all(_first_steps(job) == [1] for job in jobs)
+    again = _stem_train(tmp_path, *SMALL, data, nproc=2)
+    assert f"resumed from {demo_dir.relative_to(tmp_path)}/checkpoints/step_000003 after step 3" in again
+
+
+def test_an_out_dir_for_every_job_of_a_sweep_is_refused(corpus, tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "stem_megatron.train", "-m", "stem.ratio=1/3,full",
+                           "parallel=single", f"out_dir={tmp_path / 'shared'}", *SMALL, f"data.dir={corpus}"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    assert "every job of the sweep would write to the one out_dir" in proc.stderr + proc.stdout
+    assert not (tmp_path / "shared" / "metrics.jsonl").exists()
