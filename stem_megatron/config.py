@@ -51,6 +51,7 @@ class STEMConfig:
     optimizer: str = "lazy"  # host tables: lazy (touched rows) | dense (every row, the paper's AdamW)
     prefetch_depth: int = 2  # micro-batches fetched ahead (bounded queue)
     cache_rows: int = 0  # hot rows per table kept on the compute device (0: no cache)
+    shm_dir: str = "/dev/shm"  # host tables: the node's shared-memory (tmpfs) directory they are mapped from
     # hash_moe (the Hash-Layer baseline): experts per replaced layer, their d_ff, the token->expert map
     num_experts: int = 16
     expert_ffn_hidden_size: Optional[int] = None  # None: model.ffn_hidden_size
@@ -226,6 +227,8 @@ def validate(cfg: RunConfig, world_size: int) -> int:
     _check(s.optimizer in ("lazy", "dense"), "stem.optimizer", f"{s.optimizer!r} is not 'lazy' or 'dense'")
     _check(s.prefetch_depth >= 1, "stem.prefetch_depth", "must be >= 1")
     _check(s.cache_rows >= 0, "stem.cache_rows", "must be >= 0")
+    _check(s.placement != "host" or Path(s.shm_dir).is_dir(), "stem.shm_dir",
+           f"{s.shm_dir} is not a directory: give a tmpfs directory every rank of a node sees (e.g. /dev/shm)")
     ep = p.expert_model_parallel_size
     _check(ep >= 1 and (world_size // pp) % ep == 0, "parallel.expert_model_parallel_size",
            f"{ep} does not divide the {world_size // pp} ranks of a pipeline stage")

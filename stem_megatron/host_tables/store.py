@@ -33,7 +33,7 @@ from megatron.core.transformer.transformer_layer import get_transformer_layer_of
 from stem_megatron.config import RunConfig
 from stem_megatron.host_tables.cache import HotRowCache
 from stem_megatron.host_tables.dp_sync import union_all_reduce
-from stem_megatron.host_tables.node import node_layout, shared_tensors
+from stem_megatron.host_tables.node import SHM_DIR, node_layout, shared_tensors
 from stem_megatron.host_tables.row_adam import RowAdam
 from stem_megatron.host_tables.transfer import HostToDevice, PrefetchedRows, fetch_rows
 from stem_megatron.layer_plan import planned_layers
@@ -55,6 +55,7 @@ class HostTableStore:
         weight_decay: float = 0.1,
         cache_rows: int = 0,
         device: Optional[torch.device] = None,
+        shm_dir: str = SHM_DIR,
     ):
         """Collective over the world (node groups and the shared tables are created here)."""
         if optimizer not in ("lazy", "dense"):
@@ -78,7 +79,8 @@ class HostTableStore:
             if kind == "weight":
                 self._init_table(tensor, layer, seed, init_std)  # moments: tmpfs pages start at zero
 
-        shared = shared_tensors(list(self._names.values()), (self.tp, vocab_size, self.cols), self.node.group, init)
+        shared = shared_tensors(list(self._names.values()), (self.tp, vocab_size, self.cols), self.node.group, init,
+                                directory=shm_dir)
         self.full = {key: shared[name] for key, name in self._names.items()}  # [tp, V, cols], node-shared
         self.weight = {layer: self.full[layer, "weight"][self.tp_rank] for layer in self.layers}
         self.exp_avg = {layer: self.full[layer, "exp_avg"][self.tp_rank] for layer in self.layers}
@@ -242,5 +244,5 @@ def build_store(cfg: RunConfig, tconfig: TransformerConfig, device: torch.device
         layers, m.vocab_size, m.ffn_hidden_size,
         default_init_std(m.init_method_std, m.hidden_size, cfg.stem.table_init_std), t.seed,
         optimizer=cfg.stem.optimizer, betas=(t.adam_beta1, t.adam_beta2), eps=1e-8,
-        weight_decay=t.weight_decay, cache_rows=cfg.stem.cache_rows, device=device,
+        weight_decay=t.weight_decay, cache_rows=cfg.stem.cache_rows, device=device, shm_dir=cfg.stem.shm_dir,
     )
