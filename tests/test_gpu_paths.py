@@ -80,8 +80,10 @@ def test_export_names_of_te_and_grouped_gemm_parameters():
     cases = {
         "decoder.layers.0.self_attention.linear_qkv.layer_norm_weight": "decoder.layers.2.input_layernorm.weight",
         "decoder.layers.1.mlp.linear_fc1.layer_norm_weight": "decoder.layers.3.pre_mlp_layernorm.weight",
-        "decoder.layers.1.mlp.experts.linear_fc1.weight3": "decoder.layers.3.mlp.experts.local_experts.7.linear_fc1.weight",
-        "decoder.layers.0.mlp.experts.linear_fc2.weight0": "decoder.layers.2.mlp.experts.local_experts.4.linear_fc2.weight",
+        "decoder.layers.1.mlp.experts.linear_fc1.weight3":
+            "decoder.layers.3.mlp.experts.local_experts.7.linear_fc1.weight",
+        "decoder.layers.0.mlp.experts.linear_fc2.weight0":
+            "decoder.layers.2.mlp.experts.local_experts.4.linear_fc2.weight",
         "decoder.layers.0.mlp.experts.local_experts.1.linear_fc1.weight":
             "decoder.layers.2.mlp.experts.local_experts.5.linear_fc1.weight",
         "decoder.layers.1.self_attention.linear_qkv.weight": "decoder.layers.3.self_attention.linear_qkv.weight",

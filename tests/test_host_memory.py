@@ -13,7 +13,8 @@ from conftest import VOCAB
 def test_a_small_shared_memory_directory_is_a_clear_error_at_start(corpus, tmp_path):
     """A 64 MB /dev/shm (a container's default) in a mount namespace of its own, and tables of 0.56 GiB."""
     train = [sys.executable, "-m", "stem_megatron.train", "parallel=single", "model.vocab_size=65536",
-             f"data.vocab_size={VOCAB}", f"data.dir={corpus}", f"out_dir={tmp_path / 'run'}", "train.steps=2", "train.eval_iters=0"]
+             f"data.vocab_size={VOCAB}", f"data.dir={corpus}", f"out_dir={tmp_path / 'run'}", "train.steps=2",
+             "train.eval_iters=0"]
     script = 'mount -t tmpfs -o size=64m tmpfs /dev/shm && exec "$@"'
     proc = subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c", script, "sh", *train],
                           capture_output=True, text=True, timeout=600)
