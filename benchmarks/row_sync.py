@@ -1,0 +1,294 @@
+"""STEM row sync across nodes: bytes per node and CPU-Adam rows per node, per optimizer step.
+
+Today every DP rank all-reduces the union of touched rows and every node updates all of them
+("replicated"); issue 16 proposes one owner node per row ("owner"). This script answers, before the
+owner design exists, how the two scale with nodes next to what STEM replaces (the dense ``W_u``
+gradient sync) and to its sparse rival (Hash-MoE's token all-to-all):
+
+(a) emulated: the real exchange run on N emulated nodes. Not here yet: it needs the owner design
+    (issue 16); its records will carry ``kind="emulated"`` and the model's figure beside the measured one.
+(b) projected: the analytic model below, fed with D(B), the distinct ids in a batch of B tokens, at two
+    ends: "realistic" (distinct ids measured on packed sequences, ../shared/data/README.md) and "upper"
+    (Zipf law, exponent 1.1, over the whole vocabulary). D(B) sampled from the per-id counts is printed
+    beside them as a check.
+
+Only inter-node traffic counts (NVLink and host copies inside a node are free here); "bytes per node"
+are the bytes one node sends per step, which equal what it receives (every pattern below is symmetric).
+
+Run: ``.venv/bin/python benchmarks/row_sync.py [--counts PATH] [--json PATH]`` (seconds, no GPU, no
+process group).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_COUNTS = REPO.parent / "shared" / "data" / "token_counts_128k.npy"
+GB = 1e9
+ID_BYTES = 8  # int64 ids, as dp_sync.py sends them
+FP32, BF16 = 4, 2
+
+# Distinct ids on random packed 4096-token sequences, 128k BPE (the counts file's tokenizer):
+# ../shared/data/README.md, "64k" read as 65,536 tokens and so on.
+PACKED_DISTINCT = {2**16: 6_380, 2**18: 12_646, 2**19: 16_579, 2**20: 20_865, 2**21: 25_040, 2**22: 29_522}
+ZIPF_EXPONENT = 1.1  # pure Zipf (Mandelbrot offset 0): gives the README's ~99k distinct ids at 2M tokens
+GPUS = (8, 16, 32, 64, 128, 256)
+
+
+@dataclass(frozen=True)
+class Setup:
+    """The paper's 1B STEM-1/3 (Llama3.2-1B widths, 1/3 of 16 FFNs replaced), paper Table 2's batch."""
+
+    d: int = 2048
+    d_ff: int = 8192
+    layers: int = 16
+    stem_layers: int = 5
+    vocab: int = 128_256
+    tokens: int = 512 * 4096  # global batch per optimizer step
+    gpus_per_node: int = 8
+    tp: int = 1
+
+
+# ---------------------------------------------------------------- D(B): distinct ids in B tokens
+def packed_distinct(tokens: float, vocab: int) -> float:
+    """The README's packed-sequence measurement, interpolated log-log (end slopes beyond its range)."""
+    b, d = np.log(list(PACKED_DISTINCT)), np.log(list(PACKED_DISTINCT.values()))
+    x = np.log(tokens)
+    i = int(np.clip(np.searchsorted(b, x) - 1, 0, len(b) - 2))
+    y = d[i] + (d[i + 1] - d[i]) / (b[i + 1] - b[i]) * (x - b[i])
+    return float(min(np.exp(y), tokens, vocab))
+
+
+@functools.lru_cache(maxsize=4)
+def _zipf(vocab: int) -> np.ndarray:
+    p = np.arange(1, vocab + 1, dtype=np.float64) ** -ZIPF_EXPONENT
+    return p / p.sum()
+
+
+def expected_distinct(p: np.ndarray, tokens: float) -> float:
+    """E[distinct ids] when ``tokens`` ids are drawn independently with probabilities ``p``."""
+    return float(-np.expm1(tokens * np.log1p(-p)).sum())
+
+
+def zipf_distinct(tokens: float, vocab: int) -> float:
+    """Upper bound: independent draws from a Zipf law over the whole vocabulary (web text is below it)."""
+    return expected_distinct(_zipf(vocab), tokens)
+
+
+def sampled_distinct(counts: np.ndarray, tokens: int, draws: int = 3, seed: int = 0) -> float:
+    """Distinct ids in ``tokens`` ids drawn independently from ``counts`` (mean of ``draws``). Independent
+    draws ignore that a document repeats its own words, so this overstates D(B): for the counts file by
+    10% at 2M tokens and 44% at 64k against the packed measurement."""
+    rng = np.random.default_rng(seed)
+    p = counts / counts.sum()
+    return float(np.mean([np.count_nonzero(rng.multinomial(tokens, p)) for _ in range(draws)]))
+
+
+ENDS = {"realistic": packed_distinct, "upper": zipf_distinct}
+
+
+# ---------------------------------------------------------------- the model, one function per design
+def nodes_of(s: Setup, gpus: int) -> int:
+    if gpus % s.gpus_per_node or gpus % s.tp:
+        raise ValueError(f"{gpus} GPUs are not whole nodes of {s.gpus_per_node} / a multiple of TP={s.tp}")
+    return gpus // s.gpus_per_node
+
+
+def replicated(s: Setup, gpus: int, distinct) -> tuple[float, float]:
+    """Today (dp_sync.union_all_reduce): per STEM layer each TP rank's DP group (n = gpus/tp ranks)
+    all-gathers its id lists and ring-all-reduces an fp32 ``D(T) x d_ff/tp`` buffer of the global union.
+
+    A ring over ranks ordered node by node leaves a node over one link, which carries what one rank
+    sends: 2(n-1)/n of the buffer for the all-reduce, (n-1) id lists of D(T/n) ids for the all-gather
+    (NCCL's parallel rings each carry a slice, so the sum is the same). The tp rings move d_ff/tp
+    columns each, so per node::
+
+        bytes = L * [2(n-1)/n * D(T) * d_ff * 4  +  tp * (n-1) * D(T/n) * 8]     (0 on one node)
+        CPU-Adam rows = L * D(T)                                                 (every node, every union row)
+    """
+    nodes, n = nodes_of(s, gpus), gpus // s.tp
+    union = distinct(s.tokens, s.vocab)
+    rows = 2 * (n - 1) / n * union * s.d_ff * FP32
+    ids = s.tp * (n - 1) * distinct(s.tokens / n, s.vocab) * ID_BYTES
+    return (s.stem_layers * (rows + ids) if nodes > 1 else 0.0), s.stem_layers * union
+
+
+def owner(s: Setup, gpus: int, distinct, grad_bytes: int, row_bytes: int = FP32) -> tuple[float, float]:
+    """Issue 16: row t is owned by node t mod N. A node's ranks merge their row gradients by id (inside
+    the node), so a node touches D(T/N) rows per STEM layer; a share (N-1)/N of them has another owner.
+
+    push: each remotely owned touched row's gradient (d_ff * grad_bytes) and its id go to the owner.
+    pull: before the next step the node asks the owners (ids) for the (N-1)/N * D(T/N) remote rows it
+    will read and receives them (d_ff * row_bytes, fp32 by default: the owner's authoritative row). By
+    symmetry it serves as many rows as owner, so per node (TP ranks send their column slices, same sum)::
+
+        bytes = L * (N-1)/N * D(T/N) * [d_ff * (grad_bytes + row_bytes) + 2 * 8]   (0 on one node)
+        CPU-Adam rows = L * D(T) / N                                              (its share of the union)
+
+    Pulling only the rows that changed since the node's copy saves ~nothing in steady state: the node
+    touched each row it read last time, so the owner updated it since (lazy Adam updates touched rows).
+    """
+    nodes = nodes_of(s, gpus)
+    remote = (nodes - 1) / nodes * distinct(s.tokens / nodes, s.vocab)
+    per_layer = remote * (s.d_ff * (grad_bytes + row_bytes) + 2 * ID_BYTES)
+    return s.stem_layers * per_layer, s.stem_layers * distinct(s.tokens, s.vocab) / nodes
+
+
+def dense_wu(s: Setup, gpus: int, distinct=None, grad_bytes: int = BF16) -> tuple[float, None]:
+    """What STEM replaces: the dense up-projection W_u (d x d_ff) of each STEM layer, its gradient
+    ring-all-reduced over DP in bf16 (megatron-core's DDP default; this project's optim.py reduces in
+    fp32, twice the bytes; the distributed optimizer's reduce-scatter + all-gather moves the same
+    2(n-1)/n). The optimizer runs on the GPU: no CPU-Adam rows::
+
+        bytes = L * 2(n-1)/n * d * d_ff * 2                                       (0 on one node)
+    """
+    nodes, n = nodes_of(s, gpus), gpus // s.tp
+    return (s.stem_layers * 2 * (n - 1) / n * s.d * s.d_ff * grad_bytes if nodes > 1 else 0.0), None
+
+
+def hash_moe(s: Setup, gpus: int, distinct=None, ep: int = 16) -> tuple[float | None, None]:
+    """Hash-MoE in the STEM layers' places, top-1 (token id -> expert), expert parallelism ``ep``:
+    every token's hidden state (d, bf16) goes to its expert's rank and back (dispatch + combine), and
+    the backward does the same: 4 passes. EP groups are ep * tp consecutive GPUs (megatron's rank
+    order), so a node's experts are g/(ep * tp) of its group's and the rest of its T/N tokens leave::
+
+        bytes = L * 4 * T/N * d * 2 * max(0, 1 - g/(ep * tp))                    (None if ep * tp > GPUs)
+
+    Not counted: the expert weights' gradient sync over expert-DP (dense, grows with expert params).
+    """
+    nodes = nodes_of(s, gpus)
+    if ep * s.tp > gpus:
+        return None, None
+    leaving = max(0.0, 1 - s.gpus_per_node / (ep * s.tp))
+    return s.stem_layers * 4 * s.tokens / nodes * s.d * BF16 * leaving, None
+
+
+DESIGNS = {
+    "replicated": replicated,
+    "owner_fp32": functools.partial(owner, grad_bytes=FP32),
+    "owner_bf16": functools.partial(owner, grad_bytes=BF16),
+    "dense_wu": dense_wu,
+    "hash_moe_ep8": functools.partial(hash_moe, ep=8),
+    "hash_moe_ep16": functools.partial(hash_moe, ep=16),
+}
+
+
+def record(kind: str, design: str, s: Setup, gpus: int, bytes_per_node, model_bytes_per_node, adam_rows,
+           end: str) -> dict:
+    """One JSON record. ``model_bytes_per_node`` is the model's figure beside a measured (emulated) one;
+    projected records are the model, so it is null there."""
+    def whole(x):
+        return None if x is None else round(x)
+
+    return {"kind": kind, "design": design, "nodes": nodes_of(s, gpus), "gpus": gpus,
+            "bytes_per_node": whole(bytes_per_node), "model_bytes_per_node": whole(model_bytes_per_node),
+            "adam_rows_per_node": whole(adam_rows), "d_of_b": end}
+
+
+def projected(s: Setup, gpus=GPUS) -> list[dict]:
+    """Every design at every GPU count, at both ends of D(B); a design that cannot run there is left out."""
+    out = []
+    for end, fn in ENDS.items():
+        for design, model in DESIGNS.items():
+            for g in gpus:
+                nbytes, rows = model(s, g, fn)
+                if nbytes is not None:
+                    out.append(record("projected", design, s, g, nbytes, None, rows, end))
+    return out
+
+
+# ---------------------------------------------------------------- output for people
+def distinct_table(s: Setup, counts: np.ndarray, gpus=GPUS) -> str:
+    sizes = sorted({s.tokens // nodes_of(s, g) for g in gpus}, reverse=True)
+    lines = [f"D(B), distinct ids in B tokens (B = a node's share of the {s.tokens:,}-token batch):",
+             "  B tokens                         " + "".join(f"{b:>10,}" for b in sizes)]
+    rows = {"sampled from the counts file": lambda b: sampled_distinct(counts, b),
+            "realistic: packed sequences": lambda b: packed_distinct(b, s.vocab),
+            f"upper: Zipf {ZIPF_EXPONENT} over V={s.vocab:,}": lambda b: zipf_distinct(b, s.vocab)}
+    lines += [f"  {name:<33}" + "".join(f"{fn(b):>10,.0f}" for b in sizes) for name, fn in rows.items()]
+    lines.append(f"  (independent draws overstate the packed measurement: documents repeat their own words; the "
+                 f"counts file\n  has {np.count_nonzero(counts):,} ids that occur, so sampling saturates there)")
+    return "\n".join(lines)
+
+
+def projection_table(s: Setup, records: list[dict], gpus=GPUS) -> str:
+    lines = [f"Projected per node per step: inter-node GB sent | CPU-Adam rows (all {s.stem_layers} STEM layers)",
+             (f"d={s.d}, d_ff={s.d_ff}, {s.layers} layers, V={s.vocab:,}, {s.tokens:,} tokens/step, "
+              f"{s.gpus_per_node} GPUs/node, TP={s.tp}, DP=GPUs/TP")]
+    for end in ENDS:
+        at = {(r["design"], r["gpus"]): r for r in records if r["d_of_b"] == end}
+        lines.append(f"\n  D(B) {end:<10}" + "".join(f"{f'{g} GPUs':>16}" for g in gpus))
+        for design in DESIGNS:
+            cells = []
+            for g in gpus:
+                r = at.get((design, g))
+                rows = "" if r is None or r["adam_rows_per_node"] is None else f"{r['adam_rows_per_node'] / 1e3:.0f}k"
+                cells.append("—" if r is None else f"{r['bytes_per_node'] / GB:.2f} | {rows or '-':>5}")
+            lines.append(f"  {design:<16}" + "".join(f"{c:>16}" for c in cells))
+    lines.append("\n  one node (8 GPUs): nothing leaves the node; '—': EP=16 needs 16 GPUs; '-': no host tables "
+                 "(optimizer on the GPU)")
+    return "\n".join(lines)
+
+
+def goal_check(s: Setup) -> list[str]:
+    """Issue 16's goal: at 64 GPUs the owner design sends <= 0.5x Hash-MoE EP=16's bytes per node, and less
+    per node at 256 GPUs than at 64."""
+    moe = hash_moe(s, 64, ep=16)[0]
+    lines = [(f"Goal (issue 16): owner <= 0.5x Hash-MoE EP=16 per node at 64 GPUs ({moe / GB:.2f} GB); "
+              "less at 256 GPUs than at 64")]
+    variants = {"owner_fp32": (FP32, FP32), "owner_bf16": (BF16, FP32),
+                "owner_bf16 + bf16 read copy": (BF16, BF16)}
+    for end, fn in ENDS.items():
+        for name, (grad, row) in variants.items():
+            at64, at256 = (owner(s, g, fn, grad, row)[0] for g in (64, 256))
+            ratio = at64 / moe
+            lines.append(f"  {end:<9} {name:<28} {at64 / GB:5.2f} GB = {ratio:.2f}x MoE "
+                         f"[{'met' if ratio <= 0.5 else 'NOT met'}]; 256 GPUs {at256 / GB:.2f} GB "
+                         f"[{'met' if at256 < at64 else 'NOT met'}]")
+    lines.append("  (a bf16 read copy is not one of the designs yet; it would leave the GPU forward unchanged, "
+                 "which casts\n  the fp32 rows to bf16 before use: stem_megatron/host_tables/row_source.py)")
+    return lines
+
+
+def load_counts(path: Path) -> np.ndarray:
+    if not path.is_file():
+        raise SystemExit(f"row_sync.py: no token counts at {path}: expected ../shared/data/token_counts_128k.npy "
+                         "beside the repository, or pass --counts PATH")
+    try:
+        counts = np.load(path)
+    except (OSError, ValueError) as err:
+        raise SystemExit(f"row_sync.py: cannot read {path} as a .npy array ({err}); pass --counts PATH") from None
+    if counts.ndim != 1 or counts.sum() <= 0 or (counts < 0).any():
+        raise SystemExit(f"row_sync.py: {path} is not a 1-d array of per-id counts; pass --counts PATH")
+    return counts
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--counts", type=Path, default=DEFAULT_COUNTS, help="per-id token counts (.npy)")
+    parser.add_argument("--json", type=Path, help="also write the records here")
+    args = parser.parse_args(argv)
+    counts = load_counts(args.counts)
+    s = Setup()
+    records = projected(s)
+    # emulated records (kind "emulated", model_bytes_per_node = the projection) join here once the owner
+    # design (issue 16) can run on N emulated nodes
+    print(distinct_table(s, counts), projection_table(s, records), "\n".join(goal_check(s)), sep="\n\n")
+    if args.json:
+        try:
+            args.json.write_text(json.dumps(records, indent=1) + "\n")
+        except OSError as err:
+            raise SystemExit(f"row_sync.py: cannot write {args.json} ({err.strerror}); pass another --json PATH")
+        print(f"\nwrote {len(records)} records to {args.json}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
