@@ -1,6 +1,7 @@
 """Several torchrun agents on this host are separate nodes (each its own host copy of the STEM tables,
 the node from the launcher, not from rank order): a run on 2 nodes trains exactly as the same layout
-on one node (losses, grad norms, every weight and table row of the export)."""
+on one node (losses, grad norms, every weight and table row of the export), and its checkpoint resumes
+on another node count and TP size."""
 
 import json
 import socket
@@ -21,24 +22,25 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def _cmd(corpus, out_dir, parallel, nnodes, nproc):
+def _cmd(corpus, out_dir, parallel, nnodes, nproc, overrides):
     return [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}", f"--nproc_per_node={nproc}",
             "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{_port()}", "--rdzv_id=stem-test",
             "-m", "stem_megatron.train", f"parallel={parallel}", "variant=stem_1_3", "model.num_layers=3",
             "model.seq_length=32", f"model.vocab_size={VOCAB}", f"data.vocab_size={VOCAB}", f"data.dir={corpus}",
             f"out_dir={out_dir}", f"train.steps={STEPS}", "train.micro_batch_size=2", "train.global_batch_size=4",
-            f"checkpoint.export={out_dir}/export"]
+            *overrides]
 
 
-def _run(corpus, out_dir, parallel, nnodes, nproc):
+def _run(corpus, out_dir, parallel, nnodes, nproc, *overrides, export=True):
     """One torchrun agent per node, all on this host, joined through one c10d rendezvous."""
-    cmd = _cmd(corpus, out_dir, parallel, nnodes, nproc)
+    cmd = _cmd(corpus, out_dir, parallel, nnodes, nproc, overrides + ((f"checkpoint.export={out_dir}/export",)
+                                                                      if export else ()))
     agents = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(nnodes)]
     outputs = [agent.communicate(timeout=900) for agent in agents]
     for agent, (out, err) in zip(agents, outputs):
         assert agent.returncode == 0, out[-2000:] + err[-4000:]
     metrics = [json.loads(line) for line in (Path(out_dir) / "metrics.jsonl").read_text().splitlines()]
-    weights = torch.load(Path(out_dir) / "export" / "model.pt", weights_only=True)["weights"]
+    weights = torch.load(Path(out_dir) / "export" / "model.pt", weights_only=True)["weights"] if export else None
     return metrics, weights
 
 
@@ -55,3 +57,23 @@ def test_two_nodes_train_as_one(corpus, tmp_path, parallel, nproc):
     assert two_weights.keys() == one_weights.keys()
     assert any(".U_l." in name for name in two_weights)
     assert all(torch.equal(two_weights[n], one_weights[n]) for n in one_weights)
+
+
+@pytest.mark.slow
+def test_a_checkpoint_of_two_nodes_resumes_on_one_node_and_on_four(corpus, tmp_path):
+    """Saved at 2 nodes x DP after 3 of 6 steps, continued on 1 node and on 4 nodes (the host tables through
+    megatron's dist-checkpointing, the dense state resharded over DP): the losses of an uninterrupted run,
+    to 1e-4. Another TP or PP size is refused with a clear message (megatron's dp_reshardable optimizer
+    format reloads under another DP size only)."""
+    batch = ["train.global_batch_size=8"]
+    straight, _ = _run(corpus, tmp_path / "straight", "dp2", 1, 2, *batch, export=False)
+    _run(corpus, tmp_path / "first", "dp2", 2, 1, *batch, "train.exit_after_steps=3", export=False)
+    saved = f"checkpoint.load={tmp_path / 'first' / 'checkpoints'}"
+    for name, nnodes in (("one_node", 1), ("four_nodes", 4)):
+        resumed, _ = _run(corpus, tmp_path / name, "dp2", nnodes, 1, *batch, saved, export=False)
+        assert [r["step"] for r in resumed] == [4, 5, 6]
+        for r, s in zip(resumed, straight[3:]):
+            assert abs(r["loss"] - s["loss"]) < 1e-4, (name, r["step"], r["loss"], s["loss"])
+    cmd = _cmd(corpus, tmp_path / "tp2", "tp2", 1, 2, (*batch, saved))
+    refused = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert refused.returncode != 0 and "was saved with TP=1, PP=1, EP=1 and this run has TP=2" in refused.stderr

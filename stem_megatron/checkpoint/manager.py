@@ -3,7 +3,7 @@
     step_000020/
       manifest.json      sizes + CRC32 of every file, the step, the layout and model it was saved with
       dense/             megatron dist-checkpointing: weights and megatron optimizer state
-      stem/              host-resident U_l slices with their Adam moments (host placement only)
+      stem/              host-resident U_l and Adam moments by (layer, d_ff columns), dist-checkpointing
       train_state.pt     step, LR schedule, spike-detector statistics
       rng/               per-rank RNG states
 """
@@ -115,9 +115,13 @@ def _check_compatible(cfg: RunConfig, manifest: dict, path: Path) -> None:
                 f"{path} was saved with a different {part} config ({', '.join(f'{part}.{k}' for k in diff)}: "
                 f"checkpoint {[manifest.get(part, {}).get(k) for k in diff]} vs this run "
                 f"{[want[part].get(k) for k in diff]}); resume with the checkpoint's settings")
-    if cfg.stem.placement == "host" and manifest["layout"]["tp"] != _layout()["tp"]:
-        raise CheckpointError(f"{path} holds host tables split for tensor_model_parallel_size="
-                              f"{manifest['layout']['tp']}; resume with that size")
+    saved, now = manifest["layout"], _layout()
+    if (saved["tp"], saved["pp"], saved["ep"]) != (now["tp"], now["pp"], now["ep"]):
+        raise CheckpointError(
+            f"{path} was saved with TP={saved['tp']}, PP={saved['pp']}, EP={saved['ep']} and this run has "
+            f"TP={now['tp']}, PP={now['pp']}, EP={now['ep']}: the optimizer state is in megatron's dp_reshardable "
+            f"format, which reloads under another DP size or node count only. Resume with the saved layout, or "
+            f"start a new run from its weights (checkpoint.init_from)")
 
 
 def load(path: Path, manifest: dict, cfg: RunConfig, trainer, detector) -> int:
