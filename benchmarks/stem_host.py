@@ -4,11 +4,12 @@ Four comparisons, each measured side by side in one run (rounds interleaved, med
 
 1. row gather: ``U_l[uniq, cols]`` (``index_select`` of the unique rows) vs a plain memcpy of the same
    bytes; goal >= 70% of memcpy bandwidth.
-2. CPU Adam on the touched rows (``RowAdam.update_rows``: gather rows + moments, DeepSpeed's kernel,
-   scatter back) vs DeepSpeed CPU Adam over the whole table vs ``torch.optim.SparseAdam``; memory
-   traffic per second against memcpy's (an update must read p, g, m, v and write p, m, v: 7 row
-   streams; a memcpy reads and writes each byte: 2 streams), and time for a 4x larger vocabulary at
-   the same touched rows (lazy time should follow U, not V).
+2. CPU Adam on the touched rows (``RowAdam.update_rows``: DeepSpeed's AVX step on each row in place,
+   by index) vs DeepSpeed CPU Adam over the whole table vs ``torch.optim.SparseAdam``, with a memcpy
+   of the touched rows' bytes interleaved as the bandwidth bound. Goals: memory traffic per second
+   >= 70% of memcpy's (an update must read p, g, m, v and write p, m, v: 7 row streams; a memcpy reads
+   and writes each byte: 2 streams); lazy time <= 1.3x the whole-table time scaled by U/V; for a 4x
+   larger vocabulary at the same touched rows <= 1.1x the time (lazy time follows U, not V).
 3. a training step with the host store + prefetch vs the on-device row source (same tiny model,
    one process); goal <= 1.10x.
 4. bytes communicated per step per rank for the STEM DP sync (union of ids + one all-reduce of the
@@ -66,8 +67,7 @@ def gather_vs_memcpy(vocab=32000, cols=2560, unique=7000) -> dict:
             "ratio": t["memcpy"] / t["gather"]}
 
 
-def adam_costs(memcpy_GBps: float, vocab=32000, cols=2560, unique=7000) -> dict:
-    """``memcpy_GBps`` is bytes copied per second; its memory traffic is twice that."""
+def adam_costs(vocab=32000, cols=2560, unique=7000) -> dict:
     adam = RowAdam((0.9, 0.95), 1e-8, 0.1)
     ids = torch.sort(torch.randperm(vocab)[:unique]).values
     grads = torch.randn(unique, cols)
@@ -81,6 +81,7 @@ def adam_costs(memcpy_GBps: float, vocab=32000, cols=2560, unique=7000) -> dict:
     dense_grad[ids] = grads
     dense_grad4 = torch.zeros(4 * vocab, cols)
     dense_grad4[ids] = grads
+    copy_src, copy_dst = torch.randn(unique, cols), torch.empty(unique, cols)
 
     def lazy(p=p, m=m, v=v):
         adam.update_rows(1, 1e-3, ids, grads, p, m, v)
@@ -98,22 +99,24 @@ def adam_costs(memcpy_GBps: float, vocab=32000, cols=2560, unique=7000) -> dict:
         "lazy_rows_4x_vocab": lambda: lazy(p4, m4, v4),
         "dense_table": lambda: adam.update(1, 1e-3, p, dense_grad, m, v),
         "dense_table_4x_vocab": lambda: adam.update(1, 1e-3, p4, dense_grad4, m4, v4),
+        "kernel_contiguous_rows": lambda: adam.update(1, 1e-3, p[:unique], grads, m[:unique], v[:unique]),
+        "memcpy_touched_bytes": lambda: copy_dst.copy_(copy_src),
         "torch_sparse_adam": sparse_adam,
-    }, rounds=5)
-    kernel_only = side_by_side({"kernel": lambda: adam.update(1, 1e-3, p[:unique], grads, m[:unique], v[:unique])})
+    })
     traffic = 7 * unique * cols * 4  # read p, g, m, v; write p, m, v
-    bound = 2 * memcpy_GBps
+    bound = 2 * unique * cols * 4 / t["memcpy_touched_bytes"] / 1e9  # a memcpy reads and writes each byte
     return {
         "seconds": t,
+        "unique": unique, "vocab": vocab, "cols": cols,
         "lazy_vs_dense_table": t["dense_table"] / t["lazy_rows"],
+        "lazy_vs_scaled_dense_table": t["lazy_rows"] / (unique / vocab * t["dense_table"]),
         "lazy_vs_sparse_adam": t["torch_sparse_adam"] / t["lazy_rows"],
         "lazy_4x_vocab_time_ratio": t["lazy_rows_4x_vocab"] / t["lazy_rows"],
         "dense_4x_vocab_time_ratio": t["dense_table_4x_vocab"] / t["dense_table"],
         "memcpy_traffic_GBps": bound,
         "lazy_traffic_GBps": traffic / t["lazy_rows"] / 1e9,
-        "kernel_traffic_GBps": traffic / kernel_only["kernel"] / 1e9,
         "lazy_fraction_of_memcpy": traffic / t["lazy_rows"] / 1e9 / bound,
-        "kernel_fraction_of_memcpy": traffic / kernel_only["kernel"] / 1e9 / bound,
+        "kernel_fraction_of_memcpy": traffic / t["kernel_contiguous_rows"] / 1e9 / bound,
     }
 
 
@@ -170,7 +173,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.manual_seed(0)
     gather = gather_vs_memcpy()
-    adam = adam_costs(gather["memcpy_GBps"])
+    adam = adam_costs()
     parallel.single_process_env()
     parallel.initialize(tp=1, pp=1, seed=0)
     try:
@@ -185,13 +188,15 @@ def main() -> None:
     print(f"1. row gather ({gather['bytes'] / 1e6:.0f} MB of unique rows): {gather['gather_GBps']:.1f} GB/s vs memcpy "
           f"{gather['memcpy_GBps']:.1f} GB/s -> {gather['ratio']:.0%} of memcpy (goal >= 70%)")
     s = adam["seconds"]
-    print(f"2. CPU Adam, 7000 touched rows x 2560 of 32000: lazy rows {s['lazy_rows'] * 1e3:.1f} ms | whole table "
-          f"(DeepSpeed) {s['dense_table'] * 1e3:.1f} ms ({adam['lazy_vs_dense_table']:.2f}x the lazy time) | "
-          f"torch SparseAdam {s['torch_sparse_adam'] * 1e3:.1f} ms ({adam['lazy_vs_sparse_adam']:.2f}x)")
+    print(f"2. CPU Adam, {adam['unique']} touched rows x {adam['cols']} of {adam['vocab']}: lazy rows "
+          f"{s['lazy_rows'] * 1e3:.1f} ms | whole table (DeepSpeed) {s['dense_table'] * 1e3:.1f} ms "
+          f"({adam['lazy_vs_dense_table']:.2f}x the lazy time) | torch SparseAdam "
+          f"{s['torch_sparse_adam'] * 1e3:.1f} ms ({adam['lazy_vs_sparse_adam']:.2f}x)")
     print(f"   memory traffic: lazy {adam['lazy_traffic_GBps']:.1f} GB/s = {adam['lazy_fraction_of_memcpy']:.0%} of "
-          f"memcpy's {adam['memcpy_traffic_GBps']:.1f} GB/s (goal >= 50%); kernel alone on contiguous rows "
+          f"memcpy's {adam['memcpy_traffic_GBps']:.1f} GB/s (goal >= 70%); DeepSpeed on contiguous rows "
           f"{adam['kernel_fraction_of_memcpy']:.0%}")
-    print(f"   4x vocabulary, same touched rows: lazy {adam['lazy_4x_vocab_time_ratio']:.2f}x time (~ U, not V), "
+    print(f"   lazy time vs the whole table's scaled by U/V: {adam['lazy_vs_scaled_dense_table']:.2f}x (goal <= 1.3x)")
+    print(f"   4x vocabulary, same touched rows: lazy {adam['lazy_4x_vocab_time_ratio']:.2f}x time (goal <= 1.1x), "
           f"whole table {adam['dense_4x_vocab_time_ratio']:.2f}x")
     print(f"3. training step, host store + prefetch vs device table: {step['host_vs_device']:.2f}x "
           f"({step['seconds']['host'] * 1e3:.0f} vs {step['seconds']['device'] * 1e3:.0f} ms; goal <= 1.10x)")

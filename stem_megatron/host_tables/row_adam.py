@@ -11,22 +11,34 @@ from __future__ import annotations
 
 import itertools
 import os
+from pathlib import Path
 
 import torch
 
-_ids = itertools.count(10_000)  # DeepSpeedCPUAdam instances in the same process count from 0
-# Rows gathered per kernel call: small enough to stay in cache between gather, update and scatter
-# (and to reuse allocator blocks instead of page-faulting fresh buffers); measured 2x faster than one
-# call over all touched rows.
-CHUNK_ROWS = 256
+_ids = itertools.count()  # one kernel state per RowAdam, in the op's own registry
+_SOURCE = Path(__file__).parent / "csrc" / "row_adam.cpp"
 
 
 def _kernel():
+    """DeepSpeed's CPU Adam plus our row-indexed update, built by DeepSpeed's op builder (its flags and
+    SIMD width detection) into TORCH_EXTENSIONS_DIR on first use."""
     if not torch.cuda.is_available():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     from deepspeed.ops.op_builder import CPUAdamBuilder
 
-    return CPUAdamBuilder().load()
+    class RowAdamBuilder(CPUAdamBuilder):
+        NAME = "stem_row_adam"
+
+        def absolute_name(self):
+            return f"stem_megatron.host_tables.{self.NAME}_op"
+
+        def sources(self):
+            return [str(_SOURCE)]  # includes DeepSpeed's csrc/adam/cpu_adam_impl.cpp
+
+        def include_paths(self):
+            return ["csrc/includes", "csrc/adam"]
+
+    return RowAdamBuilder().load()
 
 
 class RowAdam:
@@ -59,13 +71,11 @@ class RowAdam:
                                 True, param, grad, exp_avg, exp_avg_sq)
 
     def update_rows(self, step: int, lr: float, ids, grads, param, exp_avg, exp_avg_sq) -> None:
-        """Lazy update: AdamW on rows ``ids`` of the tables (gathered, updated, scattered back)."""
-        for start in range(0, ids.numel(), CHUNK_ROWS):
-            rows = ids[start:start + CHUNK_ROWS]
-            p, m, v = (t.index_select(0, rows) for t in (param, exp_avg, exp_avg_sq))
-            self.update(step, lr, p, grads[start:start + CHUNK_ROWS].contiguous(), m, v)
-            for table, updated in ((param, p), (exp_avg, m), (exp_avg_sq, v)):
-                table.index_copy_(0, rows, updated)
+        """Lazy update: AdamW in place on rows ``ids`` (sorted, unique int64, as the store passes them)
+        of the contiguous fp32 tables, ``grads[r]`` for row ``ids[r]``; no gather/scatter copies."""
+        self._start(step)
+        self.kernel.row_adam_update(self.opt_id, step, lr, self.beta1, self.beta2, self.eps, self.weight_decay,
+                                    True, ids.contiguous(), grads.contiguous(), param, exp_avg, exp_avg_sq)
 
     def __del__(self):
         kernel = getattr(self, "kernel", None)

@@ -1,0 +1,75 @@
+// Row-indexed AdamW on host tables with DeepSpeed's CPU Adam step.
+//
+// DeepSpeed's cpu_adam_impl.cpp is compiled into this translation unit (its Step_8 templates are
+// defined there, not in cpu_adam.h) so each touched row runs exactly DeepSpeed's AVX code, in place,
+// with the optimizer state (step, bias correction) kept in DeepSpeed's own registry. This module also
+// exports DeepSpeed's create/destroy/adam_update so one build serves whole-table and row updates.
+
+#include "cpu_adam_impl.cpp"
+
+namespace {
+
+// AdamW on rows ids[r] of params/exp_avg/exp_avg_sq with grads[r]: the same per-element math as
+// ds_adam_step over those rows, without gathering them. Rows are spread over OpenMP threads; each row
+// runs DeepSpeed's Step_8 serially (parallel = false).
+int row_adam_step(int optimizer_id,
+                  size_t step,
+                  float lr,
+                  float beta1,
+                  float beta2,
+                  float epsilon,
+                  float weight_decay,
+                  bool bias_correction,
+                  const torch::Tensor& ids,
+                  const torch::Tensor& grads,
+                  const torch::Tensor& params,
+                  const torch::Tensor& exp_avg,
+                  const torch::Tensor& exp_avg_sq)
+{
+    TORCH_CHECK_VALUE(ids.dim() == 1 && ids.scalar_type() == torch::kInt64 && ids.is_contiguous(),
+                      "ids must be a contiguous 1-D int64 tensor");
+    TORCH_CHECK_VALUE(params.dim() == 2, "params must be a 2-D table (rows x columns)");
+    for (const torch::Tensor* t : {&grads, &params, &exp_avg, &exp_avg_sq}) {
+        TORCH_CHECK_VALUE(t->scalar_type() == torch::kFloat32 && t->device().is_cpu() && t->is_contiguous(),
+                          "params, grads and moments must be contiguous float32 CPU tensors");
+    }
+    TORCH_CHECK_VALUE(exp_avg.sizes() == params.sizes() && exp_avg_sq.sizes() == params.sizes(),
+                      "exp_avg and exp_avg_sq must have the shape of params");
+    const int64_t n = ids.numel(), rows = params.size(0), cols = params.size(1);
+    TORCH_CHECK_VALUE(grads.dim() == 2 && grads.size(0) == n && grads.size(1) == cols,
+                      "grads must be (len(ids), columns of params)");
+    const int64_t* id = ids.data_ptr<int64_t>();
+    for (int64_t r = 0; r < n; r++) {
+        TORCH_CHECK_INDEX(id[r] >= 0 && id[r] < rows, "row id ", id[r], " out of range for a table of ", rows,
+                          " rows");
+        TORCH_CHECK_VALUE(r == 0 || id[r] > id[r - 1], "ids must be sorted and unique (ids[", r, "] = ", id[r],
+                          " after ", id[r - 1], ")");
+    }
+    auto opt = std::static_pointer_cast<Adam_Optimizer>(s_optimizers.at(optimizer_id));
+    opt->IncrementStep(step, beta1, beta2);
+    opt->update_state(lr, epsilon, weight_decay, bias_correction);
+
+    float* p = params.data_ptr<float>();
+    float* g = grads.data_ptr<float>();
+    float* m = exp_avg.data_ptr<float>();
+    float* v = exp_avg_sq.data_ptr<float>();
+#pragma omp parallel for schedule(static)
+    for (int64_t r = 0; r < n; r++) {
+        const int64_t at = id[r] * cols;
+        opt->Step_8(p + at, g + r * cols, m + at, v + at, cols, false);
+    }
+    return 0;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m)
+{
+    m.def("create_adam", &create_adam_optimizer, "DeepSpeed CPU Adam (C++)");
+    m.def("destroy_adam", &destroy_adam_optimizer, "DeepSpeed CPU Adam destroy (C++)");
+    m.def("adam_update", &ds_adam_step, "DeepSpeed CPU Adam update (C++)");
+    m.def("row_adam_update",
+          &row_adam_step,
+          "DeepSpeed CPU Adam update of table rows by index, in place (C++)",
+          pybind11::call_guard<pybind11::gil_scoped_release>());
+}
