@@ -168,7 +168,9 @@ def _memory_per_node():
     dist.barrier()
     total = sum(float(t.sum()) for t in store.full.values())  # fault in every page in this process
     dist.barrier()
-    return {"shm": _shm_used() - shm0, "bytes": store.host_bytes, "total": total, **_table_mappings()}
+    measured = {"shm": _shm_used() - shm0, "bytes": store.host_bytes, "total": total, **_table_mappings()}
+    dist.barrier()  # a rank that returned would unmap its pages while the other still measures its share
+    return measured
 
 
 @pytest.mark.slow
