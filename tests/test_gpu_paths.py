@@ -93,6 +93,29 @@ def test_export_names_of_te_and_grouped_gemm_parameters():
         assert global_name(te_name, offset=2, expert_offset=4) == single_process
 
 
+def _bf16_attention_softmax():
+    """megatron's attention softmax as a GPU run's config (bf16) builds it, on a bf16 input."""
+    from megatron.core.fusions.fused_softmax import FusedScaleMaskSoftmax
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.utils import attention_mask_func
+
+    from stem_megatron.model.gpt import transformer_config
+
+    config = transformer_config(MODEL, ParallelConfig(), on_gpu=True)
+    softmax = FusedScaleMaskSoftmax(input_in_fp16=False, input_in_bf16=config.bf16, attn_mask_type=AttnMaskType.causal,
+                                    scaled_masked_softmax_fusion=config.masked_softmax_fusion,
+                                    mask_func=attention_mask_func, softmax_in_fp32=True, scale=None)
+    probs = softmax(torch.randn(2, 4, 32, 32, dtype=torch.bfloat16), None)
+    return probs.dtype, float(probs.float().sum(-1).mean())
+
+
+def test_gpu_config_without_te_needs_no_fused_softmax_kernel():
+    """Finding 4: a bf16 (GPU) run without Transformer Engine used megatron's fused masked softmax, whose
+    CUDA extension no installed package ships (ModuleNotFoundError at the first forward)."""
+    dtype, row_sum = distributed.run(_bf16_attention_softmax, 1)[0]
+    assert dtype == torch.bfloat16 and abs(row_sum - 1.0) < 1e-2
+
+
 # ------------------------------------------------------------------------- FusedAdam and resume
 class FusedAdamStandIn(torch.optim.Optimizer):
     """What megatron relies on of TE's FusedAdam: AdamW with ``step`` counted in the param group (not per

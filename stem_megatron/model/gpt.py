@@ -72,7 +72,9 @@ def transformer_config(
         use_cpu_initialization=(not on_gpu) if use_cpu_initialization is None else use_cpu_initialization,
         bias_activation_fusion=on_gpu,
         bias_dropout_fusion=on_gpu,
-        masked_softmax_fusion=on_gpu,
+        # megatron's fused softmax kernel (scaled_masked_softmax_cuda) ships with no installed package; TE's
+        # attention (GPU with TE) does not use it, megatron's local attention then takes torch's softmax
+        masked_softmax_fusion=False,
         apply_rope_fusion=False,
         persist_layer_norm=False,
         gradient_accumulation_fusion=False,
