@@ -58,9 +58,6 @@ OmegaConf.register_new_resolver("run_dir", run_dir, replace=True)
 def main(cfg: DictConfig) -> None:
     from stem_megatron.training.loop import run
 
-    if _multirun() and any(o.split("=", 1)[0].lstrip("+") == "out_dir" for o in HydraConfig.get().overrides.task):
-        raise SystemExit("stem-train -m: every job of the sweep would write to the one out_dir given; leave it out "
-                         "(each job runs in its own directory under hydra.sweep.dir) or set hydra.sweep.dir=<dir>")
     run(to_run_config(cfg))
 
 

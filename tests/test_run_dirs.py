@@ -40,12 +40,3 @@ def test_a_sweep_after_the_demo_starts_every_job_from_step_one(corpus, tmp_path)
     assert all(_first_steps(job) == [1] for job in jobs)
     again = _stem_train(tmp_path, *SMALL, data, nproc=2)
     assert f"resumed from {demo_dir.relative_to(tmp_path)}/checkpoints/step_000003 after step 3" in again
-
-
-def test_an_out_dir_for_every_job_of_a_sweep_is_refused(corpus, tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "stem_megatron.train", "-m", "stem.ratio=1/3,full",
-                           "parallel=single", f"out_dir={tmp_path / 'shared'}", *SMALL, f"data.dir={corpus}"],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
-    assert proc.returncode != 0
-    assert "every job of the sweep would write to the one out_dir" in proc.stderr + proc.stdout
-    assert not (tmp_path / "shared" / "metrics.jsonl").exists()
