@@ -1,0 +1,49 @@
+"""megatron's and torch's known-harmless notices (``stem_megatron/quiet.py``) stay off a CLI's stderr, and every
+other warning still prints. In subprocesses: pytest's own warning filters would hide both."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+KNOWN = ("Transformer Engine and Apex are not installed", "Apex is not installed", "full scope is deprecated",
+         "Unknown MLP type")
+
+
+def _stderr(*args: str) -> str:
+    proc = subprocess.run([sys.executable, *args], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stderr
+
+
+def test_cli_starts_without_the_known_notices():
+    err = _stderr("-m", "stem_megatron.data.preprocess", "--help")  # imports megatron.core, so its optimizer
+    assert not any(notice in err for notice in KNOWN), err
+
+
+def test_known_notices_are_silenced_and_others_still_print():
+    err = _stderr("-c", """
+import logging, warnings
+from stem_megatron import cpu_compat  # the package first, as in every entry point
+from stem_megatron.quiet import MLP_LOGGER
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer import TransformerConfig
+
+get_gpt_layer_local_spec()
+TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1)
+logging.getLogger(MLP_LOGGER).warning("Unknown MLP type: STEMMLP. Using default kwargs.")
+cpu_compat.CHECKED_MEGATRON_CORE = "0.0"
+cpu_compat.enable()
+warnings.warn("a notice nobody listed")
+warnings.warn_explicit("Apex is not installed. Falling back to Torch Norm", UserWarning, "ours.py", 1,
+                       module="stem_megatron.ours")
+warnings.warn_explicit("a megatron notice nobody listed", UserWarning, "optimizer.py", 1,
+                       module="megatron.core.optimizer")
+logging.getLogger(MLP_LOGGER).warning("a megatron log line nobody listed")
+""")
+    assert err.count("Apex is not installed") == 1, err  # ours.py's, below
+    assert not any(notice in err for notice in KNOWN if notice != "Apex is not installed"), err
+    for expected in ("was checked against megatron-core 0.0", "a notice nobody listed",
+                     "ours.py:1: UserWarning: Apex is not installed", "a megatron notice nobody listed",
+                     "a megatron log line nobody listed"):
+        assert expected in err, (expected, err)
