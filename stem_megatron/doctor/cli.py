@@ -9,7 +9,6 @@ import os
 import shutil
 import sys
 import tempfile
-import warnings
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -35,10 +34,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     args = build_parser().parse_args(argv)
     # the venv's op build, as the Makefile and slurm/_launch.sh use (not the ~/.cache one other venvs share)
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # megatron's import-time notices that TE and Apex are absent (CPU)
-        from stem_megatron.doctor import checks, training
-        from stem_megatron.doctor.cuda import gpu_count
+    from stem_megatron.doctor import checks, training
+    from stem_megatron.doctor.cuda import gpu_count
 
     gpus = gpu_count()
     results = checks.environment(gpus > 0, args.overrides)

@@ -10,24 +10,21 @@ launcher needs no parsing of Hydra syntax, and a misspelt override fails here, b
 from __future__ import annotations
 
 import sys
-import warnings
 from typing import Optional, Sequence
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
     nproc, *overrides = sys.argv[1:] if argv is None else argv
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # megatron/TE/Apex import-time notices
-        from stem_megatron.doctor.cuda import cuda_problem
-        from stem_megatron.doctor.recipe import compose_run
+    from stem_megatron.doctor.cuda import cuda_problem
+    from stem_megatron.doctor.recipe import compose_run
 
-        problem = cuda_problem(int(nproc))
-        if problem:
-            _fail(f"GPUs requested, but {problem}")
-        try:
-            cfg = compose_run(overrides)
-        except Exception as e:  # noqa: BLE001 - Hydra's and the schema's messages say what is wrong
-            _fail(f"the overrides do not compose: {e}")
+    problem = cuda_problem(int(nproc))
+    if problem:
+        _fail(f"GPUs requested, but {problem}")
+    try:
+        cfg = compose_run(overrides)
+    except Exception as e:  # noqa: BLE001 - Hydra's and the schema's messages say what is wrong
+        _fail(f"the overrides do not compose: {e}")
     print(cfg.parallel.tensor_model_parallel_size)
 
 

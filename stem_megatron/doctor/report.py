@@ -1,8 +1,8 @@
 """One line per check, for people: ``ok`` / ``FAIL`` / ``skipped`` and why, and nothing else.
 
-A check runs with Python warnings off (megatron, TE and Apex warn about optional pieces at import) and with what
-native code prints (DeepSpeed's op build, TE's loader) sent to a scratch file; an exception becomes a FAIL line
-with its first line and the fix, never a traceback.
+A check runs with Python warnings off (whatever a check's code warns about, e.g. TE or torch on a GPU: its line
+says what matters) and with what native code prints (DeepSpeed's op build, TE's loader) sent to a scratch file; an
+exception becomes a FAIL line with its first line and the fix, never a traceback.
 """
 
 from __future__ import annotations

@@ -9,7 +9,6 @@ one per MoE layer). Nothing is allocated, so 1B/350M presets count in a second. 
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
@@ -110,10 +109,6 @@ def megatron_parameters(pairs: Iterable[tuple[Arch, Variant]], seed: int = 0) ->
             variant = replace(variant, layers=tuple(range(arch.num_layers)))
         jobs.append((to_model_config(arch), to_stem_config(variant)))
     started = not parallel_state.model_parallel_is_initialized()
-    # megatron warns "Unknown MLP type" once per STEM layer (our STEMMLP spec); not news here
-    quiet = logging.getLogger("megatron.core.transformer.transformer_layer")
-    level = quiet.level
-    quiet.setLevel(logging.ERROR)
     if started:
         parallel.single_process_env()
         parallel.initialize(1, 1, seed)
@@ -125,6 +120,5 @@ def megatron_parameters(pairs: Iterable[tuple[Arch, Variant]], seed: int = 0) ->
                         "active": c.active})
         return out
     finally:
-        quiet.setLevel(level)
         if started:
             parallel.destroy()
