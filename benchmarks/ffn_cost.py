@@ -26,6 +26,7 @@ import time
 from fractions import Fraction
 from functools import partial
 
+import stem_megatron  # noqa: F401 - before megatron: its warning filters (stem_megatron/quiet.py)
 import torch
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.spec_utils import build_module

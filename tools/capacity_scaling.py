@@ -27,6 +27,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import stem_megatron  # noqa: E402,F401 - before megatron: its warning filters (stem_megatron/quiet.py)
+
 DEFAULT_LENGTHS = "64,128,256,512,1024,2048,4096"
 
 
