@@ -16,7 +16,7 @@ This script checks that claim and shows what it buys on a whole model:
 Run: ``.venv/bin/python benchmarks/ffn_cost.py [--steps N] [--json]`` (CPU, one process).
 """
 
-from __future__ import annotations
+from __future__ import annotations  # noqa: I001 - stem_megatron (its warning filters) before megatron
 
 import argparse
 import itertools

@@ -14,7 +14,7 @@ all-to-all really crosses processes) and reports, per variant:
    rotated), a round's time is the slower rank's, ratios are medians of per-round ratios (with IQR);
 2. bytes sent per step per rank, *computed*: dense gradient sync = 4 x (grad elements) x 2(n-1)/n per
    sync group of n ranks (ring all-reduce; megatron's distributed optimizer does reduce-scatter of the
-   grads + all-gather of the params, the same total), plus the store's ``stem_sync_bytes`` for STEM and
+   grads + all-gather of the params, the same total), plus the store's ``stem_bytes_sent`` for STEM and
    ``take_moe_stats``' ``moe_all_to_all_bytes`` for Hash-MoE; next to it, *observed*: the tensor sizes
    of every collective call made during the step (``torch.distributed`` and megatron's bound
    all-gather/reduce-scatter functions wrapped), converted to ring-equivalent bytes sent per rank;
@@ -224,7 +224,7 @@ def _bench(cfgs: dict, rounds: int, warmup: int, corpus: str) -> dict:
     for name, trainer in trainers.items():  # the same batches for every variant
         data[name] = streams.enter_context(
             with_rows(_batches(Path(corpus), dp_rank, dp, n_micro, samples), trainer.store, n_micro))
-    out = {name: {"static": _static(t), "times": [], "stem_sync_bytes": [], "stem_bytes_to_device": [],
+    out = {name: {"static": _static(t), "times": [], "stem_bytes_sent": [], "stem_bytes_to_device": [],
                   "moe_all_to_all_bytes": [], "loss": []} for name, t in trainers.items()}
     names = list(trainers)
     try:
@@ -243,7 +243,7 @@ def _bench(cfgs: dict, rounds: int, warmup: int, corpus: str) -> dict:
                     rec = out[name]
                     rec["times"].append(elapsed)
                     rec["loss"].append(step["loss"])
-                    rec["stem_sync_bytes"].append(stem.get("stem_sync_bytes", 0))
+                    rec["stem_bytes_sent"].append(stem.get("stem_bytes_sent", 0))
                     rec["stem_bytes_to_device"].append(stem.get("stem_bytes_to_device", 0))
                     rec["moe_all_to_all_bytes"].append(moe.get("moe_all_to_all_bytes", 0))
     finally:
@@ -265,7 +265,7 @@ def summarize(ranks: list[dict], rounds: int) -> dict:
     times = {n: [max(r[n]["times"][i] for r in ranks) for i in range(rounds)] for n in names}
     for n in names:
         s = ranks[0][n]["static"]
-        sparse = mean(mean(r[n]["stem_sync_bytes"]) + mean(r[n]["moe_all_to_all_bytes"]) for r in ranks)
+        sparse = mean(mean(r[n]["stem_bytes_sent"]) + mean(r[n]["moe_all_to_all_bytes"]) for r in ranks)
         observed = {op: mean(r[n]["observed"].get(op, 0.0) for r in ranks)
                     for op in sorted({op for r in ranks for op in r[n]["observed"]})}
         local_experts = [r[n]["static"]["local_expert_params"] for r in ranks]

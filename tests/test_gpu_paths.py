@@ -7,8 +7,6 @@ function mode and process group, and the stand-ins patch megatron modules, neith
 into the pytest process.
 """
 
-import threading
-
 import distributed
 import pytest
 import torch
@@ -248,33 +246,27 @@ def _cache_ordering():
     log = []
     store = HostTableStore([1], vocab_size=16, d_ff=8, init_std=1.0, seed=0, cache_rows=4)
     store.h2d = RecordingHostToDevice(log)
-    refresh = store.cache.refresh
-    store.cache.refresh = lambda *a: log.append("cache refresh") or refresh(*a)
-
-    class Version(threading.Condition):  # the prefetcher waits on it for the next step's rows
-        def notify_all(self):
-            log.append("publish")
-            super().notify_all()
-
-    store._version = Version()
+    reload, refresh = store.cache.reload, store.refresh
+    store.cache.reload = lambda *a: log.append("cache reload") or reload(*a)
+    store.refresh = lambda *a: log.append("rows made current") or refresh(*a)
     tokens = torch.tensor([[1, 2, 3, 1]])
     store.fetch(tokens)  # the counts the cache picks its rows from
-    store.step(lr=0.1)  # no gradients: the tables stay, the cache is (re)filled
-    log.append("next fetch")
+    store.step(lr=0.1, next_ids=torch.unique(tokens))  # no gradients: the tables stay, the cache is (re)filled
+    log.append("step returned: the prefetcher is released")
     rows = store.fetch(tokens).fetched.rows[1]
     return log, torch.equal(rows, store.weight[1][torch.tensor([1, 2, 3])])
 
 
 @pytest.mark.slow
-def test_cache_refresh_is_ordered_before_the_version_publish():
+def test_cache_refresh_is_ordered_before_the_prefetcher_is_released():
     """Finding 5: the hot-row cache is written on the training stream and read on the fetch's side stream;
-    the writes are marked (an event on GPU) before the new version is published, and a fetch that reads
+    after a step the rows are made current, the cache re-read from them and the writes marked (an event on
+    GPU) before the step returns (and the training step releases the prefetcher); a fetch that reads
     cached rows makes its side stream wait for that mark before any copy."""
     log, rows_ok = distributed.run(_cache_ordering, 1)[0]
-    after_step = log[log.index("cache refresh"):]
-    assert after_step[:3] == ["cache refresh", "cache written", "publish"], log
-    fetch = log[log.index("next fetch") + 1:]
-    assert fetch[:2] == ["side stream", "side stream waits for the cache"], log
+    released = log.index("step returned: the prefetcher is released")
+    assert log[released - 3:released] == ["rows made current", "cache reload", "cache written"], log
+    assert log[released + 1:released + 3] == ["side stream", "side stream waits for the cache"], log
     assert rows_ok
 
 

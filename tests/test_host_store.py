@@ -51,7 +51,7 @@ def _host_vs_device(tp, pp):
     """20 steps with the host store (dense CPU Adam = AdamW on every row) vs the device table."""
     from megatron.core import parallel_state
 
-    from stem_megatron.host_tables.prefetch import RowPrefetcher
+    from stem_megatron.training.data_stream import with_rows
     from stem_megatron.training.setup import setup_model
     from stem_megatron.training.step import train_step
 
@@ -65,14 +65,13 @@ def _host_vs_device(tp, pp):
     dp, dp_rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
     n_micro = GLOBAL // (MICRO * dp)
     dev_data = _data(dp_rank, dp)
-    host_data = RowPrefetcher(_data(dp_rank, dp), host.store, n_micro)
     errors = {"loss": 0.0, "grad_norm": 0.0}
-    for _ in range(STEPS):
-        a = train_step(dev, dev_data, n_micro, MICRO, MODEL.seq_length, MODEL.vocab_size)
-        b = train_step(host, host_data, n_micro, MICRO, MODEL.seq_length, MODEL.vocab_size)
-        errors["loss"] = max(errors["loss"], abs(a["loss"] - b["loss"]))
-        errors["grad_norm"] = max(errors["grad_norm"], abs(a["grad_norm"] - b["grad_norm"]))
-    host_data.close()
+    with with_rows(_data(dp_rank, dp), host.store, n_micro) as host_data:
+        for _ in range(STEPS):
+            a = train_step(dev, dev_data, n_micro, MICRO, MODEL.seq_length, MODEL.vocab_size)
+            b = train_step(host, host_data, n_micro, MICRO, MODEL.seq_length, MODEL.vocab_size)
+            errors["loss"] = max(errors["loss"], abs(a["loss"] - b["loss"]))
+            errors["grad_norm"] = max(errors["grad_norm"], abs(a["grad_norm"] - b["grad_norm"]))
     errors["dense_weights"] = max((p - dev_params[n]).abs().max().item()
                                   for n, p in host.model.module.named_parameters())
     dev_tables = _device_tables(dev.model)
@@ -103,7 +102,7 @@ def _lazy_untouched_rows():
     bit-identical afterwards, touched rows moved."""
     from megatron.core import parallel_state
 
-    from stem_megatron.host_tables.prefetch import RowPrefetcher
+    from stem_megatron.training.data_stream import with_rows
     from stem_megatron.training.setup import setup_model
     from stem_megatron.training.step import train_step
 
@@ -112,12 +111,11 @@ def _lazy_untouched_rows():
     n_micro = GLOBAL // (MICRO * dp)
     step2 = [b["tokens"].flatten() for r in range(dp) for b in list(_data(r, dp, steps=2))[n_micro:]]
     touched = torch.unique(torch.cat(step2))
-    data = RowPrefetcher(_data(dp_rank, dp, steps=2), trainer.store, n_micro)
-    train_step(trainer, data, n_micro, MICRO, MODEL.seq_length, MODEL.vocab_size)
-    before = {layer: trainer.store.table(layer) for layer in trainer.store.layers}
-    out = train_step(trainer, data, n_micro, MICRO, MODEL.seq_length, MODEL.vocab_size)
+    with with_rows(_data(dp_rank, dp, steps=2), trainer.store, n_micro) as data:
+        train_step(trainer, data, n_micro, MICRO, MODEL.seq_length, MODEL.vocab_size)
+        before = {layer: trainer.store.table(layer) for layer in trainer.store.layers}
+        out = train_step(trainer, data, n_micro, MICRO, MODEL.seq_length, MODEL.vocab_size)
     assert out["lr"] > 0
-    data.close()
     untouched = torch.ones(MODEL.vocab_size, dtype=torch.bool)
     untouched[touched] = False
     out = {}
@@ -196,30 +194,28 @@ def _failing_data():
 
 
 def _prefetch_errors():
-    from stem_megatron.host_tables.prefetch import RowPrefetcher
     from stem_megatron.host_tables.store import HostTableStore
+    from stem_megatron.training.data_stream import with_rows
 
     store = HostTableStore([1], vocab_size=16, d_ff=8, init_std=1.0, seed=0)
     out = {}
-    prefetcher = RowPrefetcher(_failing_data(), store, num_micro_batches=1)
-    next(prefetcher)
-    try:
+    with with_rows(_failing_data(), store, num_micro_batches=1) as prefetcher:
         next(prefetcher)
-    except RuntimeError as e:
-        out["cause"] = (type(e.__cause__).__name__, str(e.__cause__))
-    prefetcher.close()
+        try:
+            next(prefetcher)
+        except RuntimeError as e:
+            out["cause"] = (type(e.__cause__).__name__, str(e.__cause__))
 
     fetches = []  # the ids' first use after the range check (transfer.fetch_rows)
     original = store.cache.observe
     store.cache.observe = lambda *a: fetches.append(a) or original(*a)
     bad = iter([{"tokens": torch.tensor([[1, 16]]), "labels": torch.tensor([[1, 2]])}])
-    prefetcher = RowPrefetcher(bad, store, num_micro_batches=1)
     try:
-        next(prefetcher)
+        with with_rows(bad, store, num_micro_batches=1) as prefetcher:
+            next(prefetcher)
     except RuntimeError as e:
         out["bad_id"] = str(e.__cause__)
     out["fetches"] = len(fetches)
-    prefetcher.close()
     return out
 
 
@@ -235,7 +231,7 @@ def _cache_is_transparent():
     """The same lazy training with and without a hot-row cache: identical losses and tables."""
     from megatron.core import parallel_state
 
-    from stem_megatron.host_tables.prefetch import RowPrefetcher
+    from stem_megatron.training.data_stream import with_rows
     from stem_megatron.training.setup import setup_model
     from stem_megatron.training.step import train_step
 
@@ -247,12 +243,11 @@ def _cache_is_transparent():
         torch.manual_seed(0)  # the same initial dense weights for both models
         trainer = setup_model(cfg)
         trainer.store.cache.refresh_every = 2  # re-choose the hot rows during the run too
-        data = RowPrefetcher(_data(dp_rank, dp, steps=6), trainer.store, n_micro)
         losses, hit_rates = [], []
-        for _ in range(6):
-            losses.append(train_step(trainer, data, n_micro, MICRO, MODEL.seq_length, MODEL.vocab_size)["loss"])
-            hit_rates.append(trainer.store.take_stats()["stem_cache_hit_rate"])
-        data.close()
+        with with_rows(_data(dp_rank, dp, steps=6), trainer.store, n_micro) as data:
+            for _ in range(6):
+                losses.append(train_step(trainer, data, n_micro, MICRO, MODEL.seq_length, MODEL.vocab_size)["loss"])
+                hit_rates.append(trainer.store.take_stats()["stem_cache_hit_rate"])
         out[cache_rows] = (losses, {layer: trainer.store.table(layer) for layer in trainer.store.layers}, hit_rates)
     return out
 

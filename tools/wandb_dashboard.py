@@ -66,7 +66,10 @@ DASHBOARD: dict[str, Any] = {
             "panels": [
                 {"type": "line", "title": "STEM rows fetched per step", "y": ["stem_rows_fetched"]},
                 {"type": "line", "title": "STEM prefetch wait (s)", "y": ["stem_prefetch_wait_s"]},
-                {"type": "line", "title": "STEM DP sync bytes", "y": ["stem_sync_bytes"]},
+                {"type": "line", "title": "STEM bytes between nodes (per node)",
+                 "y": ["stem_node_bytes_sent", "stem_node_bytes_received"]},
+                {"type": "line", "title": "STEM rows CPU Adam updated (per node)", "y": ["stem_node_rows_updated"]},
+                {"type": "line", "title": "STEM row exchange wait (s)", "y": ["stem_exchange_s"]},
                 {"type": "line", "title": "MoE max/mean expert load", "y": ["moe_load_max_over_mean"]},
             ],
         },

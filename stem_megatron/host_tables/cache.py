@@ -2,8 +2,8 @@
 
 Paper §3.1.1: the memory freed by dropping ``W_u`` can hold the hottest rows (token frequencies are
 Zipfian, so a few thousand rows cover most lookups). Rows are chosen from the token counts seen so
-far, re-chosen every ``refresh_every`` steps, and rows the optimizer updated are re-read after every
-step, so a cached row is never stale.
+far, re-chosen every ``refresh_every`` steps, and re-read after every step (the hottest rows are touched,
+so updated, by nearly every step), so a cached row is never stale.
 """
 
 from __future__ import annotations
@@ -33,18 +33,16 @@ class HotRowCache:
         hit = self.ids[pos] == uniq
         return hit, pos[hit]
 
-    def refresh(self, step: int, tables: dict[int, torch.Tensor], updated: dict[int, torch.Tensor] | None) -> None:
-        """After an optimizer step: re-choose rows every ``refresh_every`` steps, else re-read the
-        cached rows that were updated (``updated=None``: all of them changed)."""
-        if self.capacity == 0:
-            return
-        if step % self.refresh_every == 1 or self.ids.numel() == 0:
-            self.ids = torch.sort(torch.topk(self.counts, self.capacity).indices).values
-            updated = None
+    def choose(self, step: int) -> bool:
+        """Re-choose the held ids (``ids``) after step ``step`` when due (every ``refresh_every`` steps);
+        True if it did."""
+        if not self.capacity or (step % self.refresh_every != 1 and self.ids.numel()):
+            return False
+        self.ids = torch.sort(torch.topk(self.counts, self.capacity).indices).values
+        return True
+
+    def reload(self, tables: dict[int, torch.Tensor]) -> None:
+        """Copy the held rows from the (current) host tables after a step: it updated nearly all of them."""
         for layer, table in tables.items():
-            if updated is None or layer not in self.rows:
+            if self.ids.numel():
                 self.rows[layer] = table.index_select(0, self.ids).to(self.device)
-                continue
-            changed = torch.isin(self.ids, updated[layer])
-            if changed.any():
-                self.rows[layer][changed.to(self.device)] = table.index_select(0, self.ids[changed]).to(self.device)

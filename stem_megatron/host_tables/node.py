@@ -17,7 +17,7 @@ import contextlib
 import math
 import os
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -27,11 +27,15 @@ SHM_DIR = "/dev/shm"
 
 @dataclass
 class NodeLayout:
-    """This rank's node, the node's process group, and its DP peers on the same node."""
+    """This rank's node and its place among its DP group's nodes (``ownership.RowOwnership``)."""
 
-    node: int
-    group: dist.ProcessGroup
+    node: int  # the launcher's node number
+    group: dist.ProcessGroup  # every rank of the node (host-side barriers)
     local_dp_peers: list[int]  # global ranks in my DP group on my node, sorted (includes me)
+    dp_node: int  # my node's index among my DP group's nodes, ordered by their lowest rank
+    dp_nodes: int  # nodes my DP group spans
+    local: Optional[dist.ProcessGroup]  # my DP peers on my node (None: I am alone)
+    rail: Optional[dist.ProcessGroup]  # the DP peers of my index on every node, group rank = dp_node
 
     @property
     def peer_index(self) -> int:
@@ -47,16 +51,43 @@ def launcher_node() -> int:
 
 
 def node_layout(dp_ranks: Sequence[int]) -> NodeLayout:
-    """Collective over the world: every rank passes the global ranks of its DP group."""
-    nodes: list = [None] * dist.get_world_size()
-    dist.all_gather_object(nodes, launcher_node())
-    node, group = nodes[dist.get_rank()], None
-    for n in sorted(set(nodes)):  # every rank creates every node group, in the same order
+    """Collective over the world: every rank passes the global ranks of its DP group.
+
+    Besides the node groups, creates for every DP group one group per node (its peers there) and one
+    "rail" per peer index (that peer on every node); every DP group must have as many peers on each of
+    its nodes, and ranks numbered node by node (as torchrun and SLURM number them)."""
+    world = dist.get_world_size()
+    nodes: list = [None] * world
+    dist.all_gather_object(nodes, (launcher_node(), tuple(sorted(dp_ranks))))
+    dp_groups = sorted({dp for _, dp in nodes})
+    nodes = [n for n, _ in nodes]
+    me, node = dist.get_rank(), nodes[dist.get_rank()]
+    group = local = rail = None
+    for n in sorted(set(nodes)):  # every rank creates every group, in the same order
         g = dist.new_group([r for r, m in enumerate(nodes) if m == n], backend="gloo")  # host-side sync
         if n == node:
             group = g
-    peers = sorted(r for r in dp_ranks if nodes[r] == node)
-    return NodeLayout(node=node, group=group, local_dp_peers=peers)
+    for dp in dp_groups:
+        by_node: dict[int, list[int]] = {}
+        for r in dp:
+            by_node.setdefault(nodes[r], []).append(r)
+        peers = {len(ranks) for ranks in by_node.values()}
+        ordered = sorted(by_node.values())
+        if len(peers) != 1 or any(list(rail_ranks) != sorted(rail_ranks) for rail_ranks in zip(*ordered)):
+            raise RuntimeError(f"the data-parallel group {list(dp)} spreads over nodes {by_node} unevenly or not node "
+                               f"by node: launch the same number of processes on every node (torchrun "
+                               f"--nproc_per_node, SLURM --ntasks-per-node)")
+        for ranks in ordered:
+            g = dist.new_group(ranks) if len(ranks) > 1 else None
+            if me in ranks:
+                local, mine = g, ordered
+        for rail_ranks in zip(*ordered):
+            g = dist.new_group(list(rail_ranks)) if len(ordered) > 1 else None
+            if me in rail_ranks:
+                rail = g
+    local_peers = next(ranks for ranks in mine if me in ranks)
+    return NodeLayout(node=node, group=group, local_dp_peers=local_peers, dp_node=mine.index(local_peers),
+                      dp_nodes=len(mine), local=local, rail=rail)
 
 
 class HostMemoryError(RuntimeError):
@@ -82,14 +113,13 @@ def _too_small(directory: str, need: int, free: int, available: int) -> HostMemo
 
 
 def shared_tensors(
-    names: Sequence[str],
-    shape: tuple[int, ...],
+    shapes: dict[str, tuple[int, ...]],
     group: dist.ProcessGroup,
     init: Callable[[str, torch.Tensor], None],
     dtype: torch.dtype = torch.float32,
     directory: str = SHM_DIR,
 ) -> dict[str, torch.Tensor]:
-    """Map one node-shared tensor per name (collective over the node ``group``).
+    """Map one node-shared tensor per name, of shape ``shapes[name]`` (collective over the node ``group``).
 
     Every rank of the group calls this with the names it needs; the lowest rank needing a name
     creates the file and runs ``init(name, tensor)`` before anyone else reads it. The node's bytes are
@@ -98,12 +128,12 @@ def shared_tensors(
     every rank of the node raises it.
     """
     needed: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(needed, (sorted(names), _space(directory)), group=group)
+    dist.all_gather_object(needed, (shapes, _space(directory)), group=group)
     me = dist.get_rank(group)
-    mine_to_create = [n for n in names if min(i for i, (ns, _) in enumerate(needed) if n in ns) == me]
-    numel = math.prod(shape)
-    nbytes = numel * torch.tensor([], dtype=dtype).element_size()
-    need = len({n for ns, _ in needed for n in ns}) * nbytes
+    mine_to_create = [n for n in shapes if min(i for i, (ns, _) in enumerate(needed) if n in ns) == me]
+    itemsize = torch.tensor([], dtype=dtype).element_size()
+    every = {n: shape for ns, _ in needed for n, shape in ns.items()}
+    need = sum(math.prod(shape) for shape in every.values()) * itemsize
     free, available = needed[0][1]  # one rank's view, so that the whole node decides alike
     if need > min(free, available):
         raise _too_small(directory, need, free, available)
@@ -111,7 +141,7 @@ def shared_tensors(
     for name in mine_to_create:
         fd = os.open(os.path.join(directory, name), os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
-            os.posix_fallocate(fd, 0, nbytes)
+            os.posix_fallocate(fd, 0, math.prod(shapes[name]) * itemsize)
         except OSError as error:  # ENOSPC: another job took the space since the check
             failed = str(error)
             break
@@ -124,8 +154,8 @@ def shared_tensors(
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(os.path.join(directory, name))
         raise _too_small(directory, need, *_space(directory))
-    tensors = {n: torch.from_file(os.path.join(directory, n), shared=True, size=numel, dtype=dtype).view(shape)
-               for n in names}
+    tensors = {n: torch.from_file(os.path.join(directory, n), shared=True, size=math.prod(shape), dtype=dtype)
+               .view(shape) for n, shape in shapes.items()}
     for name in mine_to_create:
         init(name, tensors[name])
     dist.barrier(group)  # initialised and mapped everywhere: the names can go

@@ -1,11 +1,12 @@
 """Background prefetch of STEM rows, one or more micro-batches ahead of the training step.
 
-``RowPrefetcher`` wraps the data iterator the pipeline schedule reads. A worker thread takes the next
-micro-batches and asks the store for their rows (``store.fetch``: ids checked against the vocabulary,
-deduplicated, gathered), which it attaches to the batch as ``batch["stem"]``. The queue is
-bounded (``depth``). Before fetching for step s the worker waits until the store has applied step
-s-1's update, so prefetching never reads stale rows. A worker exception is re-raised in the training
-thread with the original as its cause.
+``RowPrefetcher`` wraps the data iterator the pipeline schedule reads. A worker thread reads one step's
+micro-batches at a time, checks their ids against the vocabulary and announces them (``next_ids``): the
+training thread makes the node's copy of those rows current (``store.refresh``, a collective across nodes
+that only the training thread runs) and then ``release``s the step. Only then does the worker fetch the
+rows (``store.fetch``) and attach them to each batch as ``batch["stem"]``, so rows read for step s+1
+always reflect step s. The queue of ready micro-batches is bounded (``depth``). A worker exception is
+re-raised in the training thread with the original as its cause.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Iterator
 
 import torch
 
+from stem_megatron.data.integrity import check_token_ids
 from stem_megatron.host_tables.store import HostTableStore
 
 
@@ -29,29 +31,48 @@ _END = object()
 
 
 class RowPrefetcher:
-    def __init__(self, data: Iterator[dict], store: HostTableStore, num_micro_batches: int, depth: int = 2,
-                 start_step: int = 0):
+    def __init__(self, data: Iterator[dict], store: HostTableStore, num_micro_batches: int, depth: int = 2):
         self.store = store
         self.wait_s = 0.0
         self._queue: queue.Queue = queue.Queue(maxsize=depth)
+        self._announced: queue.Queue = queue.Queue()  # each step's ids, then _END (or _Failed)
+        self._released = threading.Semaphore(0)
+        self._ended = False
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._work, args=(data, num_micro_batches, start_step),
-                                        name="stem-prefetch", daemon=True)
+        self._thread = threading.Thread(target=self._work, args=(data, num_micro_batches), name="stem-prefetch",
+                                        daemon=True)
         self._thread.start()
 
-    def _work(self, data, num_micro_batches, start_step) -> None:
+    def _work(self, data, num_micro_batches) -> None:
         try:
             if self.store.device.type == "cuda":  # a new thread starts on GPU 0: use this rank's device
                 torch.cuda.set_device(self.store.device)
-            for i, batch in enumerate(data):
-                self.store.wait_for_step(start_step + i // num_micro_batches, self._stop)
-                if self._stop.is_set():
-                    return
-                batch["stem"] = self.store.fetch(batch["tokens"])  # checks the ids before any lookup
-                self._put(batch)
+            step: list[dict] = []
+            for batch in data:
+                check_token_ids(batch["tokens"], self.store.vocab_size)  # before any id reaches the tables
+                step.append(batch)
+                if len(step) == num_micro_batches:
+                    if not self._run(step):
+                        return
+                    step = []
+            if step and not self._run(step):
+                return
+            self._announced.put(_END)
             self._put(_END)
         except BaseException as error:  # surfaces in the training thread
+            self._announced.put(_Failed(error))
             self._put(_Failed(error))
+
+    def _run(self, step: list[dict]) -> bool:
+        """Announce a step's ids, wait for its release, fetch its rows; False once stopped."""
+        self._announced.put(torch.unique(torch.cat([batch["tokens"].flatten() for batch in step])))
+        while not self._released.acquire(timeout=0.1):
+            if self._stop.is_set():
+                return False
+        for batch in step:
+            batch["stem"] = self.store.fetch(batch["tokens"])
+            self._put(batch)
+        return not self._stop.is_set()
 
     def _put(self, item) -> None:
         while not self._stop.is_set():
@@ -60,6 +81,23 @@ class RowPrefetcher:
                 return
             except queue.Full:
                 continue
+
+    def next_ids(self) -> torch.Tensor:
+        """(training thread) The ids the next step reads, once the worker has read its micro-batches;
+        empty when the data has ended."""
+        if self._ended:
+            return torch.empty(0, dtype=torch.int64)
+        item = self._announced.get()
+        if isinstance(item, _Failed):
+            raise RuntimeError(f"STEM row prefetch failed: {item.error!r}") from item.error
+        if item is _END:
+            self._ended = True
+            return torch.empty(0, dtype=torch.int64)
+        return item
+
+    def release(self) -> None:
+        """(training thread) The rows of the announced step are current: let the worker fetch them."""
+        self._released.release()
 
     def __iter__(self):
         return self
@@ -81,5 +119,4 @@ class RowPrefetcher:
 
     def close(self) -> None:
         self._stop.set()
-        self.store.wake_waiters()  # a worker may be waiting for a step that will not come
         self._thread.join(timeout=5)

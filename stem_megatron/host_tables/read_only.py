@@ -93,8 +93,9 @@ class ReadOnlyHostTables:
 
     def refresh_cache(self, step: int) -> None:
         """After forward ``step`` (1-based): re-choose the cached rows from the counts when due."""
-        self.cache.refresh(step, self.tables, {layer: torch.empty(0, dtype=torch.int64) for layer in self.layers})
-        self.h2d.cache_written()
+        if self.cache.choose(step):
+            self.cache.reload(self.tables)
+            self.h2d.cache_written()
 
     def register(self, layer: int, uniq: torch.Tensor, rows: torch.Tensor) -> None:
         raise RuntimeError("ReadOnlyHostTables serve inference only: run the model under torch.no_grad() "

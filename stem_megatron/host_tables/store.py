@@ -1,25 +1,25 @@
 """The host-resident STEM table store of one rank: storage, row fetches, step gradients, updates.
 
-Placement: for each STEM layer of this pipeline stage, ``U_l`` and its two Adam moments live in host
-memory, one copy per node (``node.shared_tensors``), laid out TP-major as ``[tp, V, d_ff/tp]`` so this
-TP rank's column slice is one contiguous ``[V, d_ff/tp]`` block. DP replicas on other nodes hold
-identical copies, kept identical by applying the same averaged gradients.
+Placement (``ownership.RowOwnership``): every node keeps a copy of each ``U_l`` of this pipeline stage
+(``node.shared_tensors``, TP-major ``[tp, V, d_ff/tp]`` so a TP rank's column slice is one contiguous
+``[V, d_ff/tp]`` block). Each row has one owner node, whose copy of the row is the fp32 master; its Adam
+moments exist only there, in a block of the owner's rows ``[tp, V/N, d_ff/tp]``. The other nodes' copies
+of a row are refreshed from the owner just before they are read.
 
-A step, as driven by the training loop:
-1. ``fetch`` (prefetch thread): rows of the micro-batch's unique ids, after waiting until the previous
-   step's update is visible (``wait_for_step``): rows read for step s+1 always reflect step s.
+A step, as driven by the training loop and the prefetcher:
+1. ``fetch`` (prefetch thread): rows of a micro-batch's unique ids from the node's copy, which
+   ``refresh`` made current for exactly these ids before the prefetcher was released.
 2. ``register`` (forward of ``HostRowSource``): the compact row tensor whose ``.grad`` backward fills.
-3. ``reduce_gradients``: per layer, merge the micro-batches' compact gradients by id, DP-average them
-   over the union of touched ids (``dp_sync``), return the squared norm for global clipping.
-4. ``step``: CPU Adam on this rank's share of the touched rows (DP peers on the node split the rows),
-   node barrier, refresh the hot-row cache, publish the new version to the prefetcher.
+3. ``reduce_gradients``: per layer, merge the micro-batches' compact gradients by id and send them to the
+   owners (``exchange.RowExchange.to_owners``), which average over DP; the squared norm for global clipping.
+4. ``step``: CPU Adam on the rows this rank owns, then ``refresh`` for the next step's ids: rows updated
+   elsewhere that this node reads next are pulled from their owners (rows read in step s+1 reflect step s).
 """
 
 from __future__ import annotations
 
 import math
 import secrets
-import threading
 import time
 from typing import Optional
 
@@ -32,13 +32,15 @@ from megatron.core.transformer.transformer_layer import get_transformer_layer_of
 
 from stem_megatron.config import RunConfig
 from stem_megatron.host_tables.cache import HotRowCache
-from stem_megatron.host_tables.dp_sync import union_all_reduce
+from stem_megatron.host_tables.exchange import RowExchange
 from stem_megatron.host_tables.node import SHM_DIR, node_layout, shared_tensors
+from stem_megatron.host_tables.ownership import RowOwnership
 from stem_megatron.host_tables.row_adam import RowAdam
 from stem_megatron.host_tables.transfer import HostToDevice, PrefetchedRows, fetch_rows
 from stem_megatron.layer_plan import planned_layers
 
 _INIT_ROWS = 4096  # rows drawn per generator seed when initialising a table (fixes the init values)
+MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
 class HostTableStore:
@@ -56,8 +58,9 @@ class HostTableStore:
         cache_rows: int = 0,
         device: Optional[torch.device] = None,
         shm_dir: str = SHM_DIR,
+        wire_dtype: str = "fp32",
     ):
-        """Collective over the world (node groups and the shared tables are created here)."""
+        """Collective over the world (node and exchange groups and the shared tables are created here)."""
         if optimizer not in ("lazy", "dense"):
             raise ValueError(f"stem.optimizer must be 'lazy' or 'dense', got {optimizer!r}")
         self.layers = list(layers)  # global 1-based layer numbers of this stage's STEM layers
@@ -68,10 +71,14 @@ class HostTableStore:
         self.device = device or torch.device("cpu")
         self.dp_group = parallel_state.get_data_parallel_group()
         self.node = node_layout(dist.get_process_group_ranks(self.dp_group))
+        n = self.node
+        self.own = RowOwnership(vocab_size, n.dp_nodes, n.dp_node, len(n.local_dp_peers), n.peer_index)
+        self.exchange = RowExchange(self.own, n.local, n.rail, self.device, wire_dtype)
         run_id = [secrets.token_hex(6) if dist.get_rank() == 0 else None]
         dist.broadcast_object_list(run_id, src=0)
-        self._names = {(layer, kind): f"stem-{run_id[0]}-n{self.node.node}-L{layer}-{kind}"
-                       for layer in self.layers for kind in ("weight", "exp_avg", "exp_avg_sq")}
+        rows = {"weight": vocab_size, "exp_avg": self.own.owned_rows, "exp_avg_sq": self.own.owned_rows}
+        self._names = {(layer, kind): f"stem-{run_id[0]}-n{n.node}-L{layer}-{kind}"
+                       for layer in self.layers for kind in rows}
         by_name = {name: key for key, name in self._names.items()}
 
         def init(name: str, tensor: torch.Tensor) -> None:
@@ -79,17 +86,18 @@ class HostTableStore:
             if kind == "weight":
                 self._init_table(tensor, layer, seed, init_std)  # moments: tmpfs pages start at zero
 
-        shared = shared_tensors(list(self._names.values()), (self.tp, vocab_size, self.cols), self.node.group, init,
-                                directory=shm_dir)
-        self.full = {key: shared[name] for key, name in self._names.items()}  # [tp, V, cols], node-shared
+        shared = shared_tensors({name: (self.tp, rows[kind], self.cols) for (_, kind), name in self._names.items()},
+                                n.group, init, directory=shm_dir)
+        self.full = {key: shared[name] for key, name in self._names.items()}  # [tp, rows, cols], node-shared
         self.weight = {layer: self.full[layer, "weight"][self.tp_rank] for layer in self.layers}
         self.exp_avg = {layer: self.full[layer, "exp_avg"][self.tp_rank] for layer in self.layers}
         self.exp_avg_sq = {layer: self.full[layer, "exp_avg_sq"][self.tp_rank] for layer in self.layers}
+        # rows of my class in my node's copy that equal their owner's (rows my node owns always do)
+        self.current = torch.ones(vocab_size, dtype=torch.bool)
         self.adam = RowAdam(betas, eps, weight_decay)
         self.cache = HotRowCache(cache_rows, vocab_size, self.device)
         self.h2d = HostToDevice(self.device)
         self.steps_done = 0
-        self._version = threading.Condition()
         self._pending: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {layer: [] for layer in self.layers}
         self._grads: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._stats = self._new_stats()
@@ -101,22 +109,33 @@ class HostTableStore:
             rows = torch.randn(min(_INIT_ROWS, self.vocab_size - start), self.d_ff, generator=g) * std
             full[:, start:start + rows.shape[0]] = rows.view(rows.shape[0], self.tp, self.cols).transpose(0, 1)
 
-    # ---- tables as whole matrices (tests, checkpoints) ----
+    # ---- tables as whole matrices (tests, checkpoints, export) ----
     def table(self, layer: int) -> torch.Tensor:
-        """``U_l`` as a V x d_ff copy (all TP blocks are in the node's shared file)."""
+        """``U_l`` as a V x d_ff copy of this node's tables (all TP blocks are in the node's shared file);
+        current where ``make_current`` made it so."""
         full = self.full[layer, "weight"]
         return full.transpose(0, 1).reshape(self.vocab_size, self.d_ff).clone()
+
+    def make_current(self, everywhere: bool) -> None:
+        """Pull every row whose owner updated it since this node last read it: on every node, or only on
+        the node of DP rank 0 (which writes checkpoints and exports). Collective over the world."""
+        first = dist.get_process_group_ranks(self.dp_group)[0] in self.node.local_dp_peers
+        wanted = torch.arange(self.vocab_size) if everywhere or first else torch.empty(0, dtype=torch.int64)
+        self.refresh(wanted)
 
     def load_tables(self, tables: dict[int, torch.Tensor]) -> None:
         """Overwrite this rank's column block of each ``U_l`` from V x d_ff matrices (node collective)."""
         for layer, table in tables.items():
             self.weight[layer].copy_(table[:, self.tp_rank * self.cols:(self.tp_rank + 1) * self.cols])
+        self.current.fill_(True)
         dist.barrier(self.node.group)
 
     def restore_step(self, steps_done: int) -> None:
-        """After loading a checkpoint: continue the Adam step count and re-read the cached rows."""
-        self.cache.refresh(steps_done, self.weight, None)
-        self._publish(steps_done)
+        """After loading a checkpoint (every node holds every row): continue the Adam step count."""
+        self.steps_done = steps_done
+        self.current.fill_(True)
+        self.cache.choose(steps_done)
+        self._reload_cache()
 
     @property
     def host_bytes(self) -> int:
@@ -124,23 +143,6 @@ class HostTableStore:
         return sum(t.numel() * t.element_size() for t in self.full.values())
 
     # ---- prefetch side (background thread) ----
-    def wait_for_step(self, step: int, stop: threading.Event) -> None:
-        """Block until the updates of every step before ``step`` are visible (exactness contract)."""
-        with self._version:
-            self._version.wait_for(lambda: self.steps_done >= step or stop.is_set())
-
-    def _publish(self, steps_done: int) -> None:
-        """Let the prefetcher read rows of the next step. The caller has written the tables and the hot-row
-        cache; the cache writes are ordered before any fetch that follows (``HostToDevice.cache_written``)."""
-        self.h2d.cache_written()
-        with self._version:
-            self.steps_done = steps_done
-            self._version.notify_all()
-
-    def wake_waiters(self) -> None:
-        with self._version:
-            self._version.notify_all()
-
     def fetch(self, tokens: torch.Tensor) -> PrefetchedRows:
         """Rows ``U_l[unique ids, my columns]`` of every local STEM layer for a micro-batch's ``tokens``,
         on their way to the compute device (``transfer.fetch_rows``)."""
@@ -163,22 +165,24 @@ class HostTableStore:
         self._pending[layer].append((uniq, rows))
 
     def reduce_gradients(self) -> torch.Tensor:
-        """Merge the step's compact gradients, DP-average them; returns the squared norm of this rank's
-        STEM gradients summed over TP and PP (DP replicas hold identical gradients after the sync)."""
+        """Merge the step's compact gradients by id, send them to their owners (DP average there); returns
+        the squared norm of the STEM gradients summed over DP, TP and PP (each row counted once)."""
         sq = torch.zeros((), dtype=torch.float32, device=self.device)
-        for layer, items in self._pending.items():
-            if not items:
-                continue
-            ids = torch.cat([u.to(self.device) for u, _ in items])
-            grads = torch.cat([r.grad for _, r in items])
+        dp = dist.get_world_size(self.dp_group)
+        for layer in self.layers:
+            items = self._pending[layer]
+            ids = torch.cat([u.to(self.device) for u, _ in items] or [torch.empty(0, dtype=torch.int64,
+                                                                                   device=self.device)])
+            grads = torch.cat([r.grad for _, r in items] or [torch.empty(0, self.cols, device=self.device)])
             merged, inverse = torch.unique(ids, return_inverse=True)
             compact = torch.zeros(merged.numel(), self.cols, device=self.device).index_add_(0, inverse, grads)
-            union, compact, sent = union_all_reduce(merged, compact, self.dp_group)
-            self._stats["bytes_from_device"] += grads.numel() * 4
-            self._stats["sync_bytes"] += sent
-            sq += compact.float().pow(2).sum()
-            self._grads[layer] = (union.cpu(), compact.cpu())
+            owned, summed = self.exchange.to_owners(merged, compact)
+            summed /= dp
+            self._stats["bytes_from_device"] += summed.numel() * 4
+            sq += summed.pow(2).sum()
+            self._grads[layer] = (owned.cpu(), summed.cpu())  # only the rows this rank updates
             items.clear()
+        dist.all_reduce(sq, group=self.dp_group)
         dist.all_reduce(sq, group=parallel_state.get_model_parallel_group())
         return sq
 
@@ -186,44 +190,71 @@ class HostTableStore:
         for _, grads in self._grads.values():
             grads.mul_(coef)
 
-    def step(self, lr: float) -> None:
-        """CPU Adam on this rank's share of the rows, then publish the new tables to the prefetcher."""
+    def step(self, lr: float, next_ids: torch.Tensor) -> None:
+        """CPU Adam on the rows this rank owns, then ``refresh`` for ``next_ids`` (the ids this rank reads
+        in the next step) and the hot-row cache."""
         start = time.perf_counter()
         step = self.steps_done + 1
-        peer, peers = self.node.peer_index, len(self.node.local_dp_peers)
-        updated = {}
+        updated = torch.empty(0, dtype=torch.int64)
         for layer in self.layers:
             ids, grads = self._grads.pop(layer, (torch.empty(0, dtype=torch.int64), torch.empty(0, self.cols)))
-            updated[layer] = ids
-            if self.mode == "lazy":
-                self.adam.update_rows(step, lr, ids.tensor_split(peers)[peer], grads.tensor_split(peers)[peer],
-                                      self.weight[layer], self.exp_avg[layer], self.exp_avg_sq[layer])
-            else:
-                lo, hi = peer * self.vocab_size // peers, (peer + 1) * self.vocab_size // peers
-                self._dense_update(layer, ids, grads, lo, hi, step, lr)
-        dist.barrier(self.node.group)  # every peer's rows are written before anyone reads them
+            if self.mode == "dense":  # every row this rank owns, zero gradients for untouched ones
+                rows = self.own.my_rows()
+                dense = torch.zeros(rows.numel(), self.cols)
+                dense[torch.searchsorted(rows, ids)] = grads
+                ids, grads = rows, dense
+            self.adam.update_rows(step, lr, ids, grads, self.weight[layer], self.exp_avg[layer],
+                                  self.exp_avg_sq[layer], state_ids=self.own.local(ids))
+            self._stats["rows_updated"] += ids.numel()
+            updated = torch.unique(torch.cat([updated, ids]))
         self._stats["cpu_adam_s"] += time.perf_counter() - start
-        self.cache.refresh(step, self.weight, updated if self.mode == "lazy" else None)
-        self._publish(step)
+        self.steps_done = step
+        if self.layers:
+            if self.mode == "dense":
+                self.current.fill_(False)  # every row changed (the owned ones are never asked for)
+            else:
+                self.current[self.exchange.updated_elsewhere(updated)] = False
+        self.cache.choose(step)
+        self.refresh(torch.cat([next_ids, self.cache.ids]))
+        self._reload_cache()
 
-    def _dense_update(self, layer, ids, grads, lo, hi, step, lr) -> None:
-        dense = torch.zeros(hi - lo, self.cols)
-        mine = (ids >= lo) & (ids < hi)
-        dense[ids[mine] - lo] = grads[mine]
-        self.adam.update(step, lr, self.weight[layer][lo:hi], dense,
-                         self.exp_avg[layer][lo:hi], self.exp_avg_sq[layer][lo:hi])
+    def refresh(self, ids: torch.Tensor) -> None:
+        """Make this node's copy of rows ``ids`` (any DP peer on the node may ask for its own) equal the
+        owners' rows. Collective over the world's ranks of this stage's DP group and the node."""
+        if self.layers:
+            need = self.exchange.node_needs(ids)
+            stale = need[~self.current[need] & (self.own.owner(need) != self.own.node)]
+            self.exchange.pull(stale, [self.weight[layer] for layer in self.layers])
+            self.current[stale] = True
+            self._stats["rows_pulled"] += stale.numel()
+        dist.barrier(self.node.group)  # every peer's pulled rows are in the node's copy before anyone reads
+
+    def _reload_cache(self) -> None:
+        """Re-read the hot rows (the step changed nearly all of them) and order the writes before the next
+        fetch (``HostToDevice.cache_written``)."""
+        self.cache.reload(self.weight)
+        self.h2d.cache_written()
 
     # ---- metrics ----
     @staticmethod
     def _new_stats() -> dict:
-        return dict(unique_tokens=0, rows_fetched=0, bytes_to_device=0, bytes_from_device=0, sync_bytes=0,
-                    cpu_adam_s=0.0, cache_hits=0, cache_lookups=0)
+        return dict(unique_tokens=0, rows_fetched=0, bytes_to_device=0, bytes_from_device=0, rows_updated=0,
+                    rows_pulled=0, cpu_adam_s=0.0, cache_hits=0, cache_lookups=0)
 
     def take_stats(self) -> dict:
-        """This step's counters (prefixed ``stem_``), reset for the next step."""
+        """This step's counters (prefixed ``stem_``), reset for the next step: ``stem_bytes_sent`` by this
+        rank to its DP peers anywhere; ``stem_node_*`` for this rank's node in total (bytes sent to and
+        received from other nodes, table rows Adam updated, each layer counted), a collective over the node."""
         stats, self._stats = self._stats, self._new_stats()
+        wire, self.exchange.stats = self.exchange.stats, self.exchange.new_stats()
+        node = torch.tensor([wire["inter_node_sent"], wire["inter_node_received"], stats.pop("rows_updated") / self.tp],
+                            dtype=torch.float64)
+        dist.all_reduce(node, group=self.node.group)
         hits, lookups = stats.pop("cache_hits"), stats.pop("cache_lookups")
         out = {f"stem_{k}": v for k, v in stats.items()}
+        out.update(stem_bytes_sent=wire["bytes_sent"], stem_node_bytes_sent=int(node[0]),
+                   stem_node_bytes_received=int(node[1]), stem_node_rows_updated=round(float(node[2])),
+                   stem_exchange_s=wire["exchange_s"])
         out["stem_cache_hit_rate"] = hits / lookups if lookups else None
         out["stem_host_table_bytes"] = self.host_bytes
         return out
@@ -245,4 +276,5 @@ def build_store(cfg: RunConfig, tconfig: TransformerConfig, device: torch.device
         default_init_std(m.init_method_std, m.hidden_size, cfg.stem.table_init_std), t.seed,
         optimizer=cfg.stem.optimizer, betas=(t.adam_beta1, t.adam_beta2), eps=1e-8,
         weight_decay=t.weight_decay, cache_rows=cfg.stem.cache_rows, device=device, shm_dir=cfg.stem.shm_dir,
+        wire_dtype=cfg.stem.wire_dtype,
     )

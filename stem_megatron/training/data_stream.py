@@ -39,30 +39,29 @@ def run_datasets(cfg: RunConfig):
 
 
 @contextlib.contextmanager
-def with_rows(batches: Iterator[dict], store, num_micro_batches: int, depth: int = 2,
-              start_step: int = 0) -> Iterator[Iterator[dict]]:
+def with_rows(batches: Iterator[dict], store, num_micro_batches: int, depth: int = 2) -> Iterator[Iterator[dict]]:
     """``batches`` with their STEM rows prefetched (``RowPrefetcher``) when ``store`` holds host tables,
-    as they are otherwise; the prefetch thread stops on exit."""
+    as they are otherwise; the prefetch thread stops on exit. The first step's rows are made current
+    here (a collective: every rank enters together); each training step does it for the next."""
     if store is None:
         yield batches
         return
-    prefetcher = RowPrefetcher(batches, store, num_micro_batches, depth, start_step=start_step)
+    prefetcher = RowPrefetcher(batches, store, num_micro_batches, depth)
     try:
+        store.refresh(prefetcher.next_ids())
+        prefetcher.release()
         yield prefetcher
     finally:
         prefetcher.close()
 
 
 def batch_stream(dataset, cfg: RunConfig, dp: int, store, num_micro_batches: int, start_step: int = 0,
-                 steps: Optional[int] = None, tables_after: Optional[int] = None):
+                 steps: Optional[int] = None):
     """This DP rank's micro-batches of ``dataset`` from step ``start_step`` (``steps`` steps, or on until
-    the dataset ends) with their rows attached (``with_rows``); a context manager. The first step's
-    rows reflect ``tables_after`` optimizer steps (default ``start_step``: training; validation reads
-    the tables as they are now)."""
+    the dataset ends) with their rows, as the tables are now, attached (``with_rows``); a context manager."""
     data = micro_batches(dataset, cfg.train.micro_batch_size, parallel_state.get_data_parallel_rank(), dp,
                          start_step=start_step, num_micro_batches=num_micro_batches,
                          pin_memory=torch.cuda.is_available())
     if steps is not None:
         data = itertools.islice(data, steps * num_micro_batches)
-    return with_rows(data, store, num_micro_batches, cfg.stem.prefetch_depth,
-                     start_step if tables_after is None else tables_after)
+    return with_rows(data, store, num_micro_batches, cfg.stem.prefetch_depth)

@@ -90,15 +90,16 @@ def train_step(trainer, data_iterator, num_micro_batches, micro_batch_size, seq_
     if trainer.store is None:
         ok, grad_norm, _ = optimizer.step()
     else:
-        ok, grad_norm = _step_with_host_tables(optimizer, trainer.store, lr)
+        ok, grad_norm = _step_with_host_tables(optimizer, trainer.store, lr, data_iterator)
     trainer.scheduler.step(increment=1)
     return {"loss": loss, "grad_norm": float(grad_norm) if grad_norm is not None else None, "lr": lr,
             "update_skipped": not ok}
 
 
-def _step_with_host_tables(optimizer, store, lr: float) -> tuple[bool, float]:
+def _step_with_host_tables(optimizer, store, lr: float, prefetcher) -> tuple[bool, float]:
     """megatron's optimizer step split open (as its ChainedOptimizer does) so the global grad norm
-    and clipping cover the dense grads and the host STEM grads together; then CPU Adam on the rows."""
+    and clipping cover the dense grads and the host STEM grads together; then CPU Adam on the rows, and
+    the rows of the next step (``prefetcher.next_ids``) made current before the prefetcher reads them."""
     if optimizer.prepare_grads():
         raise FloatingPointError("non-finite gradients in the dense parameters")
     dense_norm = float(optimizer.get_grad_norm())
@@ -111,5 +112,6 @@ def _step_with_host_tables(optimizer, store, lr: float) -> tuple[bool, float]:
         if coef < 1.0:
             store.scale_gradients(coef)
     ok = optimizer.step_with_ready_grads()
-    store.step(lr)
+    store.step(lr, prefetcher.next_ids())
+    prefetcher.release()
     return ok, grad_norm
