@@ -1,22 +1,23 @@
 """STEM row sync across nodes: bytes per node and CPU-Adam rows per node, per optimizer step.
 
-Today every DP rank all-reduces the union of touched rows and every node updates all of them
-("replicated"); issue 16 proposes one owner node per row ("owner"). This script answers, before the
-owner design exists, how the two scale with nodes next to what STEM replaces (the dense ``W_u``
-gradient sync) and to its sparse rival (Hash-MoE's token all-to-all):
+Until issue 16 every DP rank all-reduced the union of touched rows and every node updated all of them
+("replicated", removed); now each row has one owner node ("owner": host_tables/ownership.py,
+exchange.py). This script shows how the two scale with nodes next to what STEM replaces (the dense
+``W_u`` gradient sync) and to its sparse rival (Hash-MoE's token all-to-all):
 
-(a) emulated: the real exchange run on N emulated nodes. Not here yet: it needs the owner design
-    (issue 16); its records will carry ``kind="emulated"`` and the model's figure beside the measured one.
-(b) projected: the analytic model below, fed with D(B), the distinct ids in a batch of B tokens, at two
-    ends: "realistic" (distinct ids measured on packed sequences, ../shared/data/README.md) and "upper"
-    (Zipf law, exponent 1.1, over the whole vocabulary). D(B) sampled from the per-id counts is printed
-    beside them as a check.
+(a) emulated: the store's real exchange on N = 1, 2, 4 emulated nodes (one process each, gloo), token
+    ids drawn from the 128k-vocabulary counts, its measured bytes and Adam rows per node next to the
+    model below evaluated for the same draws (expected distinct ids and staleness from the counts).
+(b) projected: the model for the paper's 1B STEM-1/3, fed with D(B), the distinct ids in a batch of B
+    tokens, at two ends: "realistic" (distinct ids measured on packed sequences, ../shared/data/README.md)
+    and "upper" (Zipf law, exponent 1.1, over the whole vocabulary). D(B) sampled from the per-id counts
+    is printed beside them as a check.
 
 Only inter-node traffic counts (NVLink and host copies inside a node are free here); "bytes per node"
 are the bytes one node sends per step, which equal what it receives (every pattern below is symmetric).
 
-Run: ``.venv/bin/python benchmarks/row_sync.py [--counts PATH] [--json PATH]`` (seconds, no GPU, no
-process group).
+Run: ``.venv/bin/python benchmarks/row_sync.py [--counts PATH] [--json PATH] [--nodes 1,2,4]`` (about a
+minute on 2 CPU cores; ``--nodes ''`` skips the emulation).
 """
 
 from __future__ import annotations
@@ -24,16 +25,20 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import os
+import socket
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import torch
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_COUNTS = REPO.parent / "shared" / "data" / "token_counts_128k.npy"
 GB = 1e9
-ID_BYTES = 8  # int64 ids, as dp_sync.py sends them
+ID_BYTES = 8  # int64 ids, as the exchange sends them
 FP32, BF16 = 4, 2
 
 # Distinct ids on random packed 4096-token sequences, 128k BPE (the counts file's tokenizer):
@@ -103,7 +108,7 @@ def nodes_of(s: Setup, gpus: int) -> int:
 
 
 def replicated(s: Setup, gpus: int, distinct) -> tuple[float, float]:
-    """Today (dp_sync.union_all_reduce): per STEM layer each TP rank's DP group (n = gpus/tp ranks)
+    """Before issue 16 (dp_sync.union_all_reduce, removed): per STEM layer each TP rank's DP group (n = gpus/tp ranks)
     all-gathers its id lists and ring-all-reduces an fp32 ``D(T) x d_ff/tp`` buffer of the global union.
 
     A ring over ranks ordered node by node leaves a node over one link, which carries what one rank
@@ -122,24 +127,26 @@ def replicated(s: Setup, gpus: int, distinct) -> tuple[float, float]:
 
 
 def owner(s: Setup, gpus: int, distinct, grad_bytes: int, row_bytes: int = FP32) -> tuple[float, float]:
-    """Issue 16: row t is owned by node t mod N. A node's ranks merge their row gradients by id (inside
-    the node), so a node touches D(T/N) rows per STEM layer; a share (N-1)/N of them has another owner.
+    """Issue 16 as built: each row has one owner node. A node's ranks merge their row gradients by id
+    inside the node, so a node touches D(T/N) rows per STEM layer and a share (N-1)/N of them has
+    another owner. Per step, per node (TP ranks send their column slices on their own rails, so rows
+    sum to d_ff columns and ids are sent tp times)::
 
-    push: each remotely owned touched row's gradient (d_ff * grad_bytes) and its id go to the owner.
-    pull: before the next step the node asks the owners (ids) for the (N-1)/N * D(T/N) remote rows it
-    will read and receives them (d_ff * row_bytes, fp32 by default: the owner's authoritative row). By
-    symmetry it serves as many rows as owner, so per node (TP ranks send their column slices, same sum)::
+        gradients  L * (N-1)/N * D(T/N) * (d_ff * grad_bytes + 8 tp)     to the owners
+        stale ids  tp * (N-1) * D(T)/N * 8                               each owner's updated ids, to all
+        pull       (N-1)/N * D(T/N) * f * (8 tp + L * d_ff * row_bytes)  requests, and rows served
+        CPU-Adam rows = L * D(T) / N                                     (its share of the union)
 
-        bytes = L * (N-1)/N * D(T/N) * [d_ff * (grad_bytes + row_bytes) + 2 * 8]   (0 on one node)
-        CPU-Adam rows = L * D(T) / N                                              (its share of the union)
-
-    Pulling only the rows that changed since the node's copy saves ~nothing in steady state: the node
-    touched each row it read last time, so the owner updated it since (lazy Adam updates touched rows).
+    ``f``, the share of the rows a node reads that changed since it last read them: a row is stale once
+    anyone touched it since the node's last pull, and the node touched every row it read, so f -> 1 in
+    steady state; the projection takes f = 1 (the emulation measures the warm-up below 1).
     """
     nodes = nodes_of(s, gpus)
     remote = (nodes - 1) / nodes * distinct(s.tokens / nodes, s.vocab)
-    per_layer = remote * (s.d_ff * (grad_bytes + row_bytes) + 2 * ID_BYTES)
-    return s.stem_layers * per_layer, s.stem_layers * distinct(s.tokens, s.vocab) / nodes
+    grads = s.stem_layers * remote * (s.d_ff * grad_bytes + ID_BYTES * s.tp)
+    stale_ids = s.tp * (nodes - 1) * distinct(s.tokens, s.vocab) / nodes * ID_BYTES
+    pull = remote * (ID_BYTES * s.tp + s.stem_layers * s.d_ff * row_bytes)
+    return grads + stale_ids + pull, s.stem_layers * distinct(s.tokens, s.vocab) / nodes
 
 
 def dense_wu(s: Setup, gpus: int, distinct=None, grad_bytes: int = BF16) -> tuple[float, None]:
@@ -203,6 +210,103 @@ def projected(s: Setup, gpus=GPUS) -> list[dict]:
                 if nbytes is not None:
                     out.append(record("projected", design, s, g, nbytes, None, rows, end))
     return out
+
+
+# ---------------------------------------------------------------- (a) emulated nodes
+@dataclass(frozen=True)
+class Emulation:
+    """N one-rank nodes (TP=1) training ``layers`` small STEM tables of the counts file's vocabulary."""
+
+    tokens: int = 2**16  # global batch per step, split evenly over the nodes
+    steps: int = 6
+    layers: int = 2
+    cols: int = 64
+
+
+def emulated_model(p: np.ndarray, nodes: int, e: Emulation) -> tuple[float, float]:
+    """``owner`` per node and step for ids drawn independently with probabilities ``p``, one rank per node,
+    averaged over ``e.steps`` steps, with the small messages the exchange also sends (8-byte counts in
+    every all-to-all, one padding id in the all-gather). Step k's pull is for step k+1: a row the node
+    reads then is stale if anyone touched it in steps 1..k (nodes start with identical tables)."""
+    if nodes == 1:
+        return 0.0, e.layers * expected_distinct(p, e.tokens)
+    with np.errstate(divide="ignore"):
+        read = -np.expm1(e.tokens / nodes * np.log1p(-p))  # P(the node reads id t in a step)
+        touched = -np.expm1(e.tokens * np.log1p(-p))  # P(any node touches id t in a step)
+        stale = [float((read * -np.expm1(k * np.log1p(-touched))).sum()) for k in range(1, e.steps + 1)]
+    remote, counts = (nodes - 1) / nodes, ID_BYTES * (nodes - 1)
+    grads = e.layers * (remote * read.sum() * (e.cols * FP32 + ID_BYTES) + counts)
+    stale_ids = (touched.sum() / nodes + 1) * ID_BYTES * (nodes - 1)
+    pull = remote * np.mean(stale) * (ID_BYTES + e.layers * e.cols * FP32) + 2 * counts
+    return float(grads + stale_ids + pull), e.layers * float(touched.sum()) / nodes
+
+
+def _emulated_node(rank: int, nodes: int, port: int, p: np.ndarray, e: Emulation, out_dir: str) -> None:
+    """One emulated node: the store's fetch, gradient exchange, CPU Adam and refresh, as training drives them."""
+    os.environ.update(RANK=str(rank), LOCAL_RANK="0", WORLD_SIZE=str(nodes), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port), GROUP_RANK=str(rank))  # GROUP_RANK: torchrun's node number
+    torch.set_num_threads(1)
+    from stem_megatron import parallel
+    from stem_megatron.host_tables.store import HostTableStore
+
+    def draw(step: int) -> torch.Tensor:
+        ids = np.random.default_rng([step, rank]).choice(len(p), size=e.tokens // nodes, p=p)
+        return torch.from_numpy(ids).view(1, -1)
+
+    parallel.initialize(1, 1, 0)
+    try:
+        store = HostTableStore(list(range(1, e.layers + 1)), len(p), e.cols, init_std=0.02, seed=0)
+        store.refresh(torch.unique(draw(1)))
+        records = []
+        for step in range(1, e.steps + 1):
+            fetched = store.fetch(draw(step))
+            for layer, rows in fetched.fetched.rows.items():
+                rows = rows.clone().requires_grad_()
+                rows.grad = torch.full_like(rows, 1e-3)
+                store.register(layer, fetched.uniq, rows)
+            store.reduce_gradients()
+            store.step(1e-3, torch.unique(draw(step + 1)))
+            stats = store.take_stats()
+            records.append((stats["stem_node_bytes_sent"], stats["stem_node_rows_updated"]))
+    finally:
+        parallel.destroy()
+    torch.save(records, os.path.join(out_dir, f"{rank}.pt"))
+
+
+def emulated(counts: np.ndarray, node_counts, e: Emulation = Emulation()) -> list[dict]:
+    """Run the exchange on each node count; one record per count, measured next to the model."""
+    import torch.multiprocessing as mp
+
+    p = counts / counts.sum()
+    out = []
+    for nodes in node_counts:
+        with tempfile.TemporaryDirectory() as tmp, socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+            sock.close()
+            mp.spawn(_emulated_node, args=(nodes, port, p, e, tmp), nprocs=nodes, join=True)
+            per_node = [torch.load(os.path.join(tmp, f"{r}.pt")) for r in range(nodes)]
+        sent = float(np.mean([b for node in per_node for b, _ in node]))
+        rows = float(np.mean([r for node in per_node for _, r in node]))
+        model_bytes, model_rows = emulated_model(p, nodes, e)
+        out.append({"kind": "emulated", "design": "owner_fp32", "nodes": nodes, "gpus": nodes,
+                    "bytes_per_node": round(sent), "model_bytes_per_node": round(model_bytes),
+                    "adam_rows_per_node": round(rows), "model_adam_rows_per_node": round(model_rows),
+                    "d_of_b": "sampled from the counts file"})
+    return out
+
+
+def emulation_table(records: list[dict], e: Emulation) -> str:
+    lines = [f"Emulated (one process per node, gloo): {e.tokens:,} tokens/step drawn from the counts, {e.layers} "
+             f"STEM layers of {e.cols} columns, mean of {e.steps} steps",
+             f"  {'nodes':>5}{'MB sent/node':>15}{'model':>10}{'ratio':>8}{'Adam rows/node':>17}{'model':>10}"
+             f"{'ratio':>8}"]
+    for r in records:
+        ratio = f"{r['bytes_per_node'] / r['model_bytes_per_node']:.3f}" if r["model_bytes_per_node"] else "—"
+        rows, model_rows = r["adam_rows_per_node"], r["model_adam_rows_per_node"]
+        lines.append(f"  {r['nodes']:>5}{r['bytes_per_node'] / 1e6:>15.3f}{r['model_bytes_per_node'] / 1e6:>10.3f}"
+                     f"{ratio:>8}{rows:>17,}{model_rows:>10,}{rows / model_rows:>8.3f}")
+    return "\n".join(lines)
 
 
 # ---------------------------------------------------------------- output for people
@@ -275,13 +379,17 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--counts", type=Path, default=DEFAULT_COUNTS, help="per-id token counts (.npy)")
     parser.add_argument("--json", type=Path, help="also write the records here")
+    parser.add_argument("--nodes", default="1,2,4", help="emulated node counts, comma-separated ('' skips)")
+    parser.add_argument("--tokens", type=int, default=Emulation.tokens, help="emulated tokens per step")
+    parser.add_argument("--steps", type=int, default=Emulation.steps, help="emulated steps")
     args = parser.parse_args(argv)
     counts = load_counts(args.counts)
-    s = Setup()
-    records = projected(s)
-    # emulated records (kind "emulated", model_bytes_per_node = the projection) join here once the owner
-    # design (issue 16) can run on N emulated nodes
-    print(distinct_table(s, counts), projection_table(s, records), "\n".join(goal_check(s)), sep="\n\n")
+    node_counts = [int(n) for n in args.nodes.split(",") if n.strip()]
+    s, e = Setup(), Emulation(tokens=args.tokens, steps=args.steps)
+    measured = emulated(counts, node_counts, e) if node_counts else []
+    records = measured + projected(s)
+    print(*([emulation_table(measured, e)] if measured else []), distinct_table(s, counts),
+          projection_table(s, records), "\n".join(goal_check(s)), sep="\n\n")
     if args.json:
         try:
             args.json.write_text(json.dumps(records, indent=1) + "\n")
