@@ -236,6 +236,10 @@ class RecordingHostToDevice:
         self.log.append("copy")
         return tensor
 
+    def gather(self, table, ids):
+        self.log.append("gather")
+        return table.index_select(0, ids)
+
     def record(self):
         return None
 
@@ -268,6 +272,46 @@ def test_cache_refresh_is_ordered_before_the_prefetcher_is_released():
     assert log[released - 3:released] == ["rows made current", "cache reload", "cache written"], log
     assert log[released + 1:released + 3] == ["side stream", "side stream waits for the cache"], log
     assert rows_ok
+
+
+def test_pinned_staging_reuses_a_buffer_only_after_its_copy_finished():
+    """Issue 17, GPU staging: rows are gathered straight into reusable pinned buffers (no pageable copy, no
+    pinned allocation per fetch); a buffer is handed out again only after the event of its last copy, and
+    grows when a larger request comes. Stand-ins for pinned allocation and CUDA events log what happens."""
+    from stem_megatron.host_tables.transfer import PinnedStaging
+
+    allocations, log = [], []
+
+    class Event:
+        def record(self, stream):
+            log.append(("copy done on", stream))
+
+        def synchronize(self):
+            log.append("wait for copy")
+
+    staging = PinnedStaging(2, allocate=lambda n: allocations.append(n) or torch.zeros(n, dtype=torch.uint8),
+                            event=Event)
+    table, ids = torch.randn(50, 4), torch.tensor([3, 7, 1])
+    first, rows = staging.take((3, 4), torch.float32)
+    torch.index_select(table, 0, ids, out=rows)
+    assert torch.equal(rows, table[ids])
+    staging.used(first, "side")
+    second, _ = staging.take((5, 4), torch.float32)
+    staging.used(second, "side")
+    assert log == [("copy done on", "side")] * 2  # fresh buffers: nothing to wait for
+    again, reused = staging.take((2,), torch.int64)  # the first buffer, as int64 this time
+    assert again == first and log[-1] == "wait for copy" and reused.data_ptr() == rows.data_ptr()
+    staging.used(again, "side")
+    assert allocations == [48, 80]  # steady state allocates nothing
+    staging.take((100, 4), torch.float32)  # the second buffer grows
+    assert allocations == [48, 80, 1600] and log[-1] == "wait for copy"
+
+
+def test_host_to_device_on_cpu_gathers_without_staging():
+    from stem_megatron.host_tables.transfer import HostToDevice
+
+    h2d, table = HostToDevice(torch.device("cpu")), torch.randn(20, 3)
+    assert h2d.staging is None and torch.equal(h2d.gather(table, torch.tensor([4, 2])), table[[4, 2]])
 
 
 class _Store:

@@ -1,6 +1,7 @@
 """Moving STEM rows from host memory to the compute device, selected by device.
 
-On GPU the rows are gathered into pinned memory and copied on a side stream, so the copy overlaps the
+On GPU the rows are gathered straight into reusable pinned staging buffers (``PinnedStaging``: no
+pageable copy, no pinned allocation per fetch) and copied on a side stream, so the copy overlaps the
 compute of the current micro-batch; the consumer's stream waits on an event before using them. On CPU
 the gathered rows are already where compute happens: no copy, no event. Rows held by the hot-row
 cache come from its device copies instead of host memory. Training (``store``) and inference
@@ -10,6 +11,7 @@ cache come from its device copies instead of host memory. Training (``store``) a
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import dataclass
 from typing import Mapping, Optional
 
@@ -45,17 +47,47 @@ class PrefetchedRows:
             t.record_stream(stream)  # allocated on the side stream, used on this one
 
 
+class PinnedStaging:
+    """A ring of reusable pinned host buffers for host-to-device copies. A buffer is handed out again only
+    after its previous copy finished (its event), so a gather never overwrites bytes still in flight;
+    buffers grow to the largest request and are then reused, so steady state allocates nothing.
+    ``allocate`` and ``event`` are torch's (pinned memory, CUDA events) unless a test passes stand-ins."""
+
+    def __init__(self, count: int, allocate=None, event=None):
+        self._allocate = allocate or (lambda nbytes: torch.empty(nbytes, dtype=torch.uint8, pin_memory=True))
+        self._event = event or torch.cuda.Event
+        self._buffers: list[Optional[torch.Tensor]] = [None] * count
+        self._events: list = [None] * count
+        self._next = 0
+
+    def take(self, shape: tuple[int, ...], dtype: torch.dtype) -> tuple[int, torch.Tensor]:
+        """(slot, a pinned tensor of ``shape``) that no copy in flight still reads."""
+        slot, self._next = self._next, (self._next + 1) % len(self._buffers)
+        if self._events[slot] is not None:
+            self._events[slot].synchronize()
+        nbytes = math.prod(shape) * torch.tensor([], dtype=dtype).element_size()
+        if self._buffers[slot] is None or self._buffers[slot].numel() < nbytes:
+            self._buffers[slot] = self._allocate(max(nbytes, 1))
+        return slot, self._buffers[slot][:nbytes].view(dtype).view(shape)
+
+    def used(self, slot: int, stream=None) -> None:
+        """Mark the end of the copy out of ``slot`` (recorded on ``stream``, the side stream)."""
+        self._events[slot] = self._event()
+        self._events[slot].record(stream)
+
+
 class HostToDevice:
-    """The copy engine's side of a fetch: a side stream on GPU, nothing on CPU.
+    """The copy engine's side of a fetch: a side stream and pinned staging on GPU, nothing on CPU.
 
     The hot-row cache is written on the training stream (after an optimizer step) and read on the side
     stream (by the next fetch): ``cache_written`` marks the end of the writes with an event that
     ``wait_for_cache`` makes the side stream wait for, so a fetch never reads rows from before the step.
     """
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, staging_buffers: int = 8):
         self.device = device
         self.side = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.staging = PinnedStaging(staging_buffers) if self.side is not None else None
         self._cache_event: Optional[torch.cuda.Event] = None
 
     def stream(self):
@@ -72,10 +104,27 @@ class HostToDevice:
         if self._cache_event is not None:
             self.side.wait_event(self._cache_event)
 
-    def copy(self, rows: torch.Tensor) -> torch.Tensor:
+    def gather(self, table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """``table[ids]`` on the device: on GPU gathered into a staging buffer and copied from there (inside
+        ``stream()``)."""
         if self.side is None:
-            return rows
-        return rows.pin_memory().to(self.device, non_blocking=True)
+            return table.index_select(0, ids)
+        slot, staged = self.staging.take((ids.numel(), *table.shape[1:]), table.dtype)
+        torch.index_select(table, 0, ids, out=staged)
+        return self._send(slot, staged)
+
+    def copy(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A host tensor on the device (inside ``stream()``), through a staging buffer on GPU."""
+        if self.side is None:
+            return tensor
+        slot, staged = self.staging.take(tuple(tensor.shape), tensor.dtype)
+        staged.copy_(tensor)
+        return self._send(slot, staged)
+
+    def _send(self, slot: int, staged: torch.Tensor) -> torch.Tensor:
+        out = staged.to(self.device, non_blocking=True)
+        self.staging.used(slot, self.side)
+        return out
 
     def record(self) -> Optional[torch.cuda.Event]:
         if self.side is None:
@@ -106,7 +155,7 @@ def fetch_rows(tokens: torch.Tensor, vocab_size: int, tables: Mapping[int, torch
             h2d.wait_for_cache()
             hit_at, miss_at, pos = (h2d.copy(t) for t in (hit.nonzero().squeeze(1), (~hit).nonzero().squeeze(1), pos))
         for layer, table in tables.items():
-            fetched = h2d.copy(table.index_select(0, miss))
+            fetched = h2d.gather(table, miss)
             if any_hit:
                 out = torch.empty(uniq.numel(), table.shape[1], dtype=table.dtype, device=h2d.device)
                 out.index_copy_(0, hit_at, cache.rows[layer].index_select(0, pos))
