@@ -53,6 +53,7 @@ class STEMConfig:
     cache_rows: int = 0  # hot rows per table kept on the compute device (0: no cache)
     shm_dir: str = "/dev/shm"  # host tables: the node's shared-memory (tmpfs) directory they are mapped from
     wire_dtype: str = "fp32"  # host tables: row gradients sent to their owner node in fp32 (exact) | bf16
+    read_dtype: str = "fp32"  # host tables: each node's copy of the tables fp32 | bf16 (fp32 masters at the owners)
     # hash_moe (the Hash-Layer baseline): experts per replaced layer, their d_ff, the token->expert map
     num_experts: int = 16
     expert_ffn_hidden_size: Optional[int] = None  # None: model.ffn_hidden_size
@@ -227,6 +228,7 @@ def validate(cfg: RunConfig, world_size: int) -> int:
     _check(s.placement in ("host", "device"), "stem.placement", f"{s.placement!r} is not 'host' or 'device'")
     _check(s.optimizer in ("lazy", "dense"), "stem.optimizer", f"{s.optimizer!r} is not 'lazy' or 'dense'")
     _check(s.wire_dtype in ("fp32", "bf16"), "stem.wire_dtype", f"{s.wire_dtype!r} is not 'fp32' or 'bf16'")
+    _check(s.read_dtype in ("fp32", "bf16"), "stem.read_dtype", f"{s.read_dtype!r} is not 'fp32' or 'bf16'")
     _check(s.prefetch_depth >= 1, "stem.prefetch_depth", "must be >= 1")
     _check(s.cache_rows >= 0, "stem.cache_rows", "must be >= 0")
     _check(s.placement != "host" or Path(s.shm_dir).is_dir(), "stem.shm_dir",

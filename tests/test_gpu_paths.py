@@ -258,7 +258,7 @@ def _cache_ordering():
     store.step(lr=0.1, next_ids=torch.unique(tokens))  # no gradients: the tables stay, the cache is (re)filled
     log.append("step returned: the prefetcher is released")
     rows = store.fetch(tokens).fetched.rows[1]
-    return log, torch.equal(rows, store.weight[1][torch.tensor([1, 2, 3])])
+    return log, torch.equal(rows, store.table(1)[torch.tensor([1, 2, 3])])
 
 
 @pytest.mark.slow

@@ -59,11 +59,11 @@ def export(cfg: RunConfig, trainer, out_dir: Path, tokenizer_path: Path | None =
         if _owner(param):
             part[names[name]] = full
     store = trainer.store
-    if store is not None:
-        store.make_current(everywhere=False)  # DP rank 0's node holds every row as its owner does
-    if store is not None and parallel_state.get_data_parallel_rank() == 0 and store.tp_rank == 0:
+    if store is not None and store.tp_rank == 0:  # the owners' fp32 rows, gathered on DP rank 0
         for layer in store.layers:
-            part[f"decoder.layers.{layer - 1}.mlp.U_l.weight"] = store.table(layer)
+            table = store.owner_table(layer)
+            if table is not None:
+                part[f"decoder.layers.{layer - 1}.mlp.U_l.weight"] = table
     torch.save(part, scratch / f"rank{dist.get_rank()}.pt")
     dist.barrier()
     if dist.get_rank() == 0:

@@ -41,8 +41,10 @@ class HotRowCache:
         self.ids = torch.sort(torch.topk(self.counts, self.capacity).indices).values
         return True
 
-    def reload(self, tables: dict[int, torch.Tensor]) -> None:
-        """Copy the held rows from the (current) host tables after a step: it updated nearly all of them."""
+    def reload(self, tables: dict[int, torch.Tensor], at=None) -> None:
+        """Copy the held rows from the (current) host tables after a step, which updated nearly all of them;
+        ``at`` maps ids to table rows (default: row = id)."""
+        rows_at = self.ids if at is None else at(self.ids)
         for layer, table in tables.items():
             if self.ids.numel():
-                self.rows[layer] = table.index_select(0, self.ids).to(self.device)
+                self.rows[layer] = table.index_select(0, rows_at).to(self.device)

@@ -101,8 +101,8 @@ class RowExchange:
 
     def pull(self, ids: torch.Tensor, tables: Sequence[torch.Tensor]) -> None:
         """Copy the owners' rows ``ids`` (sorted, of my class, none owned by my node) into ``tables``
-        (this node's ``[V, cols]`` copies, one per layer), serving the other nodes' requests for my rows
-        from the same tables. Collective over the rail."""
+        (this node's ``[V, cols]`` copies in position order, one per layer), serving the other nodes'
+        requests for my rows from the same tables, in their dtype. Collective over the rail."""
         if self.rail is None:
             return
         start = time.perf_counter()
@@ -111,12 +111,14 @@ class RowExchange:
         ids, dest = ids[order], dest[order]
         counts = torch.bincount(dest, minlength=dist.get_world_size(self.rail))
         asked_counts, (asked,) = self._all_to_all(self.rail, counts, ids)
-        rows = torch.cat([t.index_select(0, asked.cpu()) for t in tables], dim=1)  # fp32: the owner's rows
+        at = self.own.position(asked.cpu())
+        rows = torch.cat([t.index_select(0, at) for t in tables], dim=1)  # the owner's rows
         _, (got,) = self._all_to_all(self.rail, asked_counts, rows)
         got = got.cpu()
         cols = tables[0].shape[1]
+        at = self.own.position(ids)
         for i, table in enumerate(tables):
-            table[ids] = got[:, i * cols:(i + 1) * cols]
+            table[at] = got[:, i * cols:(i + 1) * cols]
         self.stats["exchange_s"] += time.perf_counter() - start
 
     # ---- the collective under all of the above ----

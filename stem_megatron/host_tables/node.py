@@ -105,21 +105,22 @@ def _space(directory: str) -> tuple[int, int]:
 def _too_small(directory: str, need: int, free: int, available: int) -> HostMemoryError:
     gib = 2**30
     return HostMemoryError(
-        f"the STEM host tables of this node need {need / gib:.2f} GiB in {directory} (each table and its two Adam "
-        f"moments, fp32), but it has {free / gib:.2f} GiB free and the machine {available / gib:.2f} GiB of available "
-        f"memory. Fixes: a larger shared-memory directory (a container's --shm-size, or stem.shm_dir=<a larger "
-        f"tmpfs>), a smaller stem.ratio or model.vocab_size, more pipeline stages (each holds only its layers' "
-        f"tables), or stem.placement=device when the tables fit on the GPU")
+        f"the STEM host tables of this node need {need / gib:.2f} GiB in {directory} (a copy of each table, and "
+        f"the Adam moments of the rows this node owns), but it has {free / gib:.2f} GiB free and the machine "
+        f"{available / gib:.2f} GiB of available memory. Fixes: a larger shared-memory directory (a container's "
+        f"--shm-size, or stem.shm_dir=<a larger tmpfs>), bf16 table copies (stem.read_dtype=bf16), more nodes "
+        f"(each holds the moments of 1/N of the rows), a smaller stem.ratio or model.vocab_size, more pipeline "
+        f"stages (each holds only its layers' tables), or stem.placement=device when the tables fit on the GPU")
 
 
 def shared_tensors(
-    shapes: dict[str, tuple[int, ...]],
+    specs: dict[str, tuple[tuple[int, ...], torch.dtype]],
     group: dist.ProcessGroup,
     init: Callable[[str, torch.Tensor], None],
-    dtype: torch.dtype = torch.float32,
     directory: str = SHM_DIR,
 ) -> dict[str, torch.Tensor]:
-    """Map one node-shared tensor per name, of shape ``shapes[name]`` (collective over the node ``group``).
+    """Map one node-shared tensor per name, of ``specs[name] = (shape, dtype)`` (collective over the node
+    ``group``).
 
     Every rank of the group calls this with the names it needs; the lowest rank needing a name
     creates the file and runs ``init(name, tensor)`` before anyone else reads it. The node's bytes are
@@ -128,12 +129,15 @@ def shared_tensors(
     every rank of the node raises it.
     """
     needed: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(needed, (shapes, _space(directory)), group=group)
+    dist.all_gather_object(needed, (specs, _space(directory)), group=group)
     me = dist.get_rank(group)
-    mine_to_create = [n for n in shapes if min(i for i, (ns, _) in enumerate(needed) if n in ns) == me]
-    itemsize = torch.tensor([], dtype=dtype).element_size()
-    every = {n: shape for ns, _ in needed for n, shape in ns.items()}
-    need = sum(math.prod(shape) for shape in every.values()) * itemsize
+    mine_to_create = [n for n in specs if min(i for i, (ns, _) in enumerate(needed) if n in ns) == me]
+
+    def nbytes(spec) -> int:
+        shape, dtype = spec
+        return math.prod(shape) * torch.tensor([], dtype=dtype).element_size()
+
+    need = sum(nbytes(spec) for spec in {n: spec for ns, _ in needed for n, spec in ns.items()}.values())
     free, available = needed[0][1]  # one rank's view, so that the whole node decides alike
     if need > min(free, available):
         raise _too_small(directory, need, free, available)
@@ -141,7 +145,7 @@ def shared_tensors(
     for name in mine_to_create:
         fd = os.open(os.path.join(directory, name), os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
-            os.posix_fallocate(fd, 0, math.prod(shapes[name]) * itemsize)
+            os.posix_fallocate(fd, 0, nbytes(specs[name]))
         except OSError as error:  # ENOSPC: another job took the space since the check
             failed = str(error)
             break
@@ -155,7 +159,7 @@ def shared_tensors(
                 os.unlink(os.path.join(directory, name))
         raise _too_small(directory, need, *_space(directory))
     tensors = {n: torch.from_file(os.path.join(directory, n), shared=True, size=math.prod(shape), dtype=dtype)
-               .view(shape) for n, shape in shapes.items()}
+               .view(shape) for n, (shape, dtype) in specs.items()}
     for name in mine_to_create:
         init(name, tensors[name])
     dist.barrier(group)  # initialised and mapped everywhere: the names can go

@@ -3,9 +3,10 @@
 Rows are owned by node through a fixed permutation of the vocabulary, ``pos(t) = a * t mod V`` with
 ``a`` near the golden ratio of V: node n of N owns the positions ``[n V / N, (n+1) V / N)``. Token
 frequencies fall with the id in BPE vocabularies, so ranges of raw ids would give node 0 the hot rows;
-the multiplicative permutation spreads consecutive ids evenly over the ranges. The permutation does not
-depend on N, so a node's rows are one contiguous range in permuted order for any node count: moments are
-stored and checkpointed in that order and reshard to another node count by range.
+the multiplicative permutation spreads consecutive ids evenly over the ranges. Host tables are stored in
+position order, and the permutation does not depend on N, so a node's rows (its master rows and
+moments) are one contiguous block for any node count, and checkpoints reshard to another node count by
+range.
 
 Inside the owner node, the row at local position ``i = pos - n V / N`` is updated by the node's
 DP peer ``i mod k`` (k DP peers per node); that peer is also the one that forwards the row's gradients
@@ -56,11 +57,17 @@ class RowOwnership:
         lo = self.owner(ids) * self.vocab_size // self.nodes
         return (pos - lo) % self.peers
 
+    def ids_at(self, positions: torch.Tensor) -> torch.Tensor:
+        return positions * pow(self.a, -1, self.vocab_size) % self.vocab_size
+
     def local(self, ids: torch.Tensor) -> torch.Tensor:
-        """Row of each id (owned by this node) in the node's moment block."""
+        """Row of each id (owned by this node) in the node's block of owned rows."""
         return self.position(ids) - self.lo
 
+    def my_local(self) -> torch.Tensor:
+        """Rows of the node's block that this rank updates (its peer class), ascending."""
+        return torch.arange(self.peer, self.owned_rows, self.peers, dtype=torch.int64)
+
     def my_rows(self) -> torch.Tensor:
-        """Sorted ids this rank updates: its node's rows of its own peer class."""
-        positions = torch.arange(self.lo + self.peer, self.hi, self.peers, dtype=torch.int64)
-        return torch.sort(positions * pow(self.a, -1, self.vocab_size) % self.vocab_size).values
+        """Sorted ids this rank updates."""
+        return torch.sort(self.ids_at(self.lo + self.my_local())).values

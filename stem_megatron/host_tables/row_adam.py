@@ -70,15 +70,12 @@ class RowAdam:
         self.kernel.adam_update(self.opt_id, step, lr, self.beta1, self.beta2, self.eps, self.weight_decay,
                                 True, param, grad, exp_avg, exp_avg_sq)
 
-    def update_rows(self, step: int, lr: float, ids, grads, param, exp_avg, exp_avg_sq, state_ids=None) -> None:
-        """AdamW in place on rows ``ids`` (sorted, unique int64) of the contiguous fp32 ``param`` table,
-        ``grads[r]`` for row ``ids[r]``, no gather/scatter copies. The moments of row ``ids[r]`` are row
-        ``state_ids[r]`` of ``exp_avg``/``exp_avg_sq`` (default: row ``ids[r]``, tables of param's shape)."""
+    def update_rows(self, step: int, lr: float, ids, grads, param, exp_avg, exp_avg_sq) -> None:
+        """Lazy update: AdamW in place on rows ``ids`` (sorted, unique int64, as the store passes them)
+        of the contiguous fp32 tables, ``grads[r]`` for row ``ids[r]``; no gather/scatter copies."""
         self._start(step)
-        state_ids = ids[:0] if state_ids is None else state_ids.contiguous()
         self.kernel.row_adam_update(self.opt_id, step, lr, self.beta1, self.beta2, self.eps, self.weight_decay,
-                                    True, ids.contiguous(), grads.contiguous(), param, exp_avg, exp_avg_sq,
-                                    state_ids)
+                                    True, ids.contiguous(), grads.contiguous(), param, exp_avg, exp_avg_sq)
 
     def __del__(self):
         kernel = getattr(self, "kernel", None)

@@ -2,9 +2,11 @@
 
 Placement (``ownership.RowOwnership``): every node keeps a copy of each ``U_l`` of this pipeline stage
 (``node.shared_tensors``, TP-major ``[tp, V, d_ff/tp]`` so a TP rank's column slice is one contiguous
-``[V, d_ff/tp]`` block). Each row has one owner node, whose copy of the row is the fp32 master; its Adam
-moments exist only there, in a block of the owner's rows ``[tp, V/N, d_ff/tp]``. The other nodes' copies
-of a row are refreshed from the owner just before they are read.
+``[V, d_ff/tp]`` block), rows in the ownership permutation's order, fp32 or bf16 (``read_dtype``). Each
+row has one owner node, which keeps the fp32 master row and its Adam moments, in a block of the owner's
+rows ``[tp, V/N, d_ff/tp]``: with fp32 copies the master block is the owned range of the node's copy
+itself, with bf16 copies a block of its own. The other nodes' copies of a row are refreshed from the
+owner just before they are read.
 
 A step, as driven by the training loop and the prefetcher:
 1. ``fetch`` (prefetch thread): rows of a micro-batch's unique ids from the node's copy, which
@@ -32,7 +34,7 @@ from megatron.core.transformer.transformer_layer import get_transformer_layer_of
 
 from stem_megatron.config import RunConfig
 from stem_megatron.host_tables.cache import HotRowCache
-from stem_megatron.host_tables.exchange import RowExchange
+from stem_megatron.host_tables.exchange import WIRE_DTYPES, RowExchange
 from stem_megatron.host_tables.node import SHM_DIR, node_layout, shared_tensors
 from stem_megatron.host_tables.ownership import RowOwnership
 from stem_megatron.host_tables.row_adam import RowAdam
@@ -59,6 +61,7 @@ class HostTableStore:
         device: Optional[torch.device] = None,
         shm_dir: str = SHM_DIR,
         wire_dtype: str = "fp32",
+        read_dtype: str = "fp32",
     ):
         """Collective over the world (node and exchange groups and the shared tables are created here)."""
         if optimizer not in ("lazy", "dense"):
@@ -76,20 +79,27 @@ class HostTableStore:
         self.exchange = RowExchange(self.own, n.local, n.rail, self.device, wire_dtype)
         run_id = [secrets.token_hex(6) if dist.get_rank() == 0 else None]
         dist.broadcast_object_list(run_id, src=0)
-        rows = {"weight": vocab_size, "exp_avg": self.own.owned_rows, "exp_avg_sq": self.own.owned_rows}
+        self.read_dtype = WIRE_DTYPES[read_dtype]
+        own, fp32 = self.own.owned_rows, torch.float32
+        specs = {"weight": (vocab_size, self.read_dtype), "exp_avg": (own, fp32), "exp_avg_sq": (own, fp32)}
+        if self.read_dtype != fp32:
+            specs["master"] = (own, fp32)
         self._names = {(layer, kind): f"stem-{run_id[0]}-n{n.node}-L{layer}-{kind}"
-                       for layer in self.layers for kind in rows}
+                       for layer in self.layers for kind in specs}
         by_name = {name: key for key, name in self._names.items()}
 
         def init(name: str, tensor: torch.Tensor) -> None:
             layer, kind = by_name[name]
-            if kind == "weight":
-                self._init_table(tensor, layer, seed, init_std)  # moments: tmpfs pages start at zero
+            if kind in ("weight", "master"):
+                self._init_table(tensor, layer, seed, init_std, owned=kind == "master")
+            # moments: tmpfs pages start at zero
 
-        shared = shared_tensors({name: (self.tp, rows[kind], self.cols) for (_, kind), name in self._names.items()},
-                                n.group, init, directory=shm_dir)
+        shared = shared_tensors({name: ((self.tp, specs[kind][0], self.cols), specs[kind][1])
+                                 for (_, kind), name in self._names.items()}, n.group, init, directory=shm_dir)
         self.full = {key: shared[name] for key, name in self._names.items()}  # [tp, rows, cols], node-shared
-        self.weight = {layer: self.full[layer, "weight"][self.tp_rank] for layer in self.layers}
+        self.weight = {layer: self.full[layer, "weight"][self.tp_rank] for layer in self.layers}  # position order
+        self.master = {layer: self.full[layer, "master"][self.tp_rank] if "master" in specs
+                       else self.weight[layer][self.own.lo:self.own.hi] for layer in self.layers}
         self.exp_avg = {layer: self.full[layer, "exp_avg"][self.tp_rank] for layer in self.layers}
         self.exp_avg_sq = {layer: self.full[layer, "exp_avg_sq"][self.tp_rank] for layer in self.layers}
         # rows of my class in my node's copy that equal their owner's (rows my node owns always do)
@@ -102,33 +112,65 @@ class HostTableStore:
         self._grads: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._stats = self._new_stats()
 
-    def _init_table(self, full: torch.Tensor, layer: int, seed: int, std: float) -> None:
-        """N(0, std) rows, the same on every node and for every TP size."""
+    def _init_table(self, full: torch.Tensor, layer: int, seed: int, std: float, owned: bool) -> None:
+        """N(0, std) rows by token id, the same on every node and for every TP size: the whole copy, or
+        (``owned``) the master rows of this node's block."""
         for start in range(0, self.vocab_size, _INIT_ROWS):
             g = torch.Generator().manual_seed(seed * 1_000_003 + layer * 7919 + start)
             rows = torch.randn(min(_INIT_ROWS, self.vocab_size - start), self.d_ff, generator=g) * std
-            full[:, start:start + rows.shape[0]] = rows.view(rows.shape[0], self.tp, self.cols).transpose(0, 1)
+            ids = torch.arange(start, start + rows.shape[0])
+            at = self.own.position(ids)
+            if owned:
+                mine = self.own.owner(ids) == self.own.node
+                rows, at = rows[mine], at[mine] - self.own.lo
+            full[:, at] = rows.view(rows.shape[0], self.tp, self.cols).transpose(0, 1).to(full.dtype)
 
     # ---- tables as whole matrices (tests, checkpoints, export) ----
     def table(self, layer: int) -> torch.Tensor:
-        """``U_l`` as a V x d_ff copy of this node's tables (all TP blocks are in the node's shared file);
-        current where ``make_current`` made it so."""
-        full = self.full[layer, "weight"]
+        """``U_l`` as a V x d_ff fp32 matrix from this node's copy (all TP blocks are in the node's shared
+        file), by token id; current where ``refresh`` made it so."""
+        full = self.full[layer, "weight"][:, self.own.position(torch.arange(self.vocab_size))]
+        return full.transpose(0, 1).reshape(self.vocab_size, self.d_ff).float()
+
+    def owner_table(self, layer: int) -> Optional[torch.Tensor]:
+        """``U_l`` as a V x d_ff matrix of the owners' fp32 master rows, on DP rank 0 (None elsewhere); a
+        collective over the first peers of this DP group's nodes (all TP blocks of a node's master rows are
+        in its shared files)."""
+        block = self.full[layer, "master"] if (layer, "master") in self.full else \
+            self.full[layer, "weight"][:, self.own.lo:self.own.hi]
+        if self.node.peer_index != 0:
+            return None
+        blocks = [block]
+        if self.node.rail is not None:
+            blocks = [None] * self.node.dp_nodes if self.node.dp_node == 0 else None
+            dist.gather_object(block.clone(), blocks, dst=dist.get_process_group_ranks(self.node.rail)[0],
+                               group=self.node.rail)
+        if self.node.dp_node != 0:
+            return None
+        by_position = torch.cat(blocks, dim=1)  # [tp, V, cols]: the nodes' ranges in order
+        full = by_position[:, self.own.position(torch.arange(self.vocab_size))]
         return full.transpose(0, 1).reshape(self.vocab_size, self.d_ff).clone()
 
-    def make_current(self, everywhere: bool) -> None:
-        """Pull every row whose owner updated it since this node last read it: on every node, or only on
-        the node of DP rank 0 (which writes checkpoints and exports). Collective over the world."""
-        first = dist.get_process_group_ranks(self.dp_group)[0] in self.node.local_dp_peers
-        wanted = torch.arange(self.vocab_size) if everywhere or first else torch.empty(0, dtype=torch.int64)
-        self.refresh(wanted)
-
     def load_tables(self, tables: dict[int, torch.Tensor]) -> None:
-        """Overwrite this rank's column block of each ``U_l`` from V x d_ff matrices (node collective)."""
+        """Overwrite this rank's column block of each ``U_l`` from V x d_ff matrices by token id (node
+        collective)."""
+        every = torch.arange(self.vocab_size)
         for layer, table in tables.items():
-            self.weight[layer].copy_(table[:, self.tp_rank * self.cols:(self.tp_rank + 1) * self.cols])
+            block = table[:, self.tp_rank * self.cols:(self.tp_rank + 1) * self.cols]
+            self.weight[layer][self.own.position(every)] = block.to(self.read_dtype)
+            self.master[layer].copy_(block[self.own.ids_at(torch.arange(self.own.lo, self.own.hi))])
         self.current.fill_(True)
         dist.barrier(self.node.group)
+
+    def copies_from_masters(self) -> None:
+        """After the master rows were loaded (bf16 copies: the checkpoint holds fp32 masters only): every
+        node's copy from the owners' rows. Collective over the world."""
+        if self.read_dtype != torch.float32:
+            for layer in self.layers:
+                lo, hi = self.own.lo, self.own.hi
+                self.weight[layer][lo:hi] = self.master[layer].to(self.read_dtype)
+            self.current.fill_(False)
+            self.refresh(torch.arange(self.vocab_size))
 
     def restore_step(self, steps_done: int) -> None:
         """After loading a checkpoint (every node holds every row): continue the Adam step count."""
@@ -146,11 +188,13 @@ class HostTableStore:
     def fetch(self, tokens: torch.Tensor) -> PrefetchedRows:
         """Rows ``U_l[unique ids, my columns]`` of every local STEM layer for a micro-batch's ``tokens``,
         on their way to the compute device (``transfer.fetch_rows``)."""
-        prefetched, hit = fetch_rows(tokens, self.vocab_size, self.weight, self.cache, self.h2d)
+        prefetched, hit = fetch_rows(tokens, self.vocab_size, self.weight, self.cache, self.h2d,
+                                     at=self.own.position)
         uniq, misses = prefetched.uniq.numel(), int((~hit).sum())
+        row_bytes = self.cols * torch.tensor([], dtype=self.read_dtype).element_size()
         prefetched.fetched.stats.update(
             unique_tokens=uniq, rows_fetched=misses * len(self.layers),
-            bytes_to_device=misses * self.cols * 4 * len(self.layers),
+            bytes_to_device=misses * row_bytes * len(self.layers),
             cache_hits=uniq - misses, cache_lookups=uniq if self.cache.ids.numel() else 0)
         return prefetched
 
@@ -198,15 +242,19 @@ class HostTableStore:
         updated = torch.empty(0, dtype=torch.int64)
         for layer in self.layers:
             ids, grads = self._grads.pop(layer, (torch.empty(0, dtype=torch.int64), torch.empty(0, self.cols)))
-            if self.mode == "dense":  # every row this rank owns, zero gradients for untouched ones
-                rows = self.own.my_rows()
-                dense = torch.zeros(rows.numel(), self.cols)
-                dense[torch.searchsorted(rows, ids)] = grads
-                ids, grads = rows, dense
-            self.adam.update_rows(step, lr, ids, grads, self.weight[layer], self.exp_avg[layer],
-                                  self.exp_avg_sq[layer], state_ids=self.own.local(ids))
-            self._stats["rows_updated"] += ids.numel()
             updated = torch.unique(torch.cat([updated, ids]))
+            local, order = torch.sort(self.own.local(ids))  # rows of the node's master block
+            grads = grads[order]
+            if self.mode == "dense":  # every row this rank owns, zero gradients for untouched ones
+                rows = self.own.my_local()
+                dense = torch.zeros(rows.numel(), self.cols)
+                dense[torch.searchsorted(rows, local)] = grads
+                local, grads = rows, dense
+            self.adam.update_rows(step, lr, local, grads, self.master[layer], self.exp_avg[layer],
+                                  self.exp_avg_sq[layer])
+            if self.read_dtype != torch.float32:  # the node's copy of its own rows, rounded
+                self.weight[layer][self.own.lo + local] = self.master[layer][local].to(self.read_dtype)
+            self._stats["rows_updated"] += local.numel()
         self._stats["cpu_adam_s"] += time.perf_counter() - start
         self.steps_done = step
         if self.layers:
@@ -232,7 +280,7 @@ class HostTableStore:
     def _reload_cache(self) -> None:
         """Re-read the hot rows (the step changed nearly all of them) and order the writes before the next
         fetch (``HostToDevice.cache_written``)."""
-        self.cache.reload(self.weight)
+        self.cache.reload(self.weight, self.own.position)
         self.h2d.cache_written()
 
     # ---- metrics ----
@@ -276,5 +324,5 @@ def build_store(cfg: RunConfig, tconfig: TransformerConfig, device: torch.device
         default_init_std(m.init_method_std, m.hidden_size, cfg.stem.table_init_std), t.seed,
         optimizer=cfg.stem.optimizer, betas=(t.adam_beta1, t.adam_beta2), eps=1e-8,
         weight_decay=t.weight_decay, cache_rows=cfg.stem.cache_rows, device=device, shm_dir=cfg.stem.shm_dir,
-        wire_dtype=cfg.stem.wire_dtype,
+        wire_dtype=cfg.stem.wire_dtype, read_dtype=cfg.stem.read_dtype,
     )

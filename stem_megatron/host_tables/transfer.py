@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import dataclass
-from typing import Mapping, Optional
+from typing import Callable, Mapping, Optional
 
 import torch
 
@@ -135,11 +135,14 @@ class HostToDevice:
 
 
 def fetch_rows(tokens: torch.Tensor, vocab_size: int, tables: Mapping[int, torch.Tensor], cache,
-               h2d: HostToDevice) -> tuple[PrefetchedRows, torch.Tensor]:
+               h2d: HostToDevice, at: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
+               ) -> tuple[PrefetchedRows, torch.Tensor]:
     """The rows a forward over ``tokens`` ([b, s]) needs: ``table[unique ids]`` of every ``{layer: [V,
-    cols] host table}`` on the device. Ids the ``HotRowCache`` holds come from its device rows, the
-    others are gathered from host memory (only the distinct ids). The ids are range-checked here,
-    before any lookup, and not again in the forward (``token_context``).
+    cols] host table}`` on the device, in fp32 (a bf16 table is cast on the device, after the copy).
+    ``at`` maps ids to table rows (the training store's ownership order; default: row = id). Ids the
+    ``HotRowCache`` holds come from its device rows, the others are gathered from host memory (only the
+    distinct ids). The ids are range-checked here, before any lookup, and not again in the forward
+    (``token_context``).
 
     Returns the rows (``fetched.stats`` empty, for the caller's counters) and the hit mask over the ids.
     """
@@ -154,14 +157,15 @@ def fetch_rows(tokens: torch.Tensor, vocab_size: int, tables: Mapping[int, torch
         if any_hit:  # positions of hits and misses among the ids, computed here: no mask indexing on the device
             h2d.wait_for_cache()
             hit_at, miss_at, pos = (h2d.copy(t) for t in (hit.nonzero().squeeze(1), (~hit).nonzero().squeeze(1), pos))
+        rows_at = miss if at is None else at(miss)
         for layer, table in tables.items():
-            fetched = h2d.gather(table, miss)
+            fetched = h2d.gather(table, rows_at)
             if any_hit:
                 out = torch.empty(uniq.numel(), table.shape[1], dtype=table.dtype, device=h2d.device)
                 out.index_copy_(0, hit_at, cache.rows[layer].index_select(0, pos))
                 out.index_copy_(0, miss_at, fetched)
                 fetched = out
-            rows[layer] = fetched
+            rows[layer] = fetched.float()  # the layer's row leaf: gradients sum in fp32
         inverse = h2d.copy(inverse)
         ready = h2d.record()
     return PrefetchedRows(uniq, inverse, Fetched(rows, ready, {})), hit

@@ -9,10 +9,9 @@
 
 namespace {
 
-// AdamW on rows ids[r] of params with grads[r] and moments at rows state_ids[r] of exp_avg/exp_avg_sq
-// (state_ids empty: the same rows as params; an owner node keeps moments only for its own rows, in a
-// block of its own): the same per-element math as ds_adam_step over those rows, without gathering them.
-// Rows are spread over OpenMP threads; each row runs DeepSpeed's Step_8 serially (parallel = false).
+// AdamW on rows ids[r] of params/exp_avg/exp_avg_sq with grads[r]: the same per-element math as
+// ds_adam_step over those rows, without gathering them. Rows are spread over OpenMP threads; each row
+// runs DeepSpeed's Step_8 serially (parallel = false).
 int row_adam_step(int optimizer_id,
                   size_t step,
                   float lr,
@@ -25,8 +24,7 @@ int row_adam_step(int optimizer_id,
                   const torch::Tensor& grads,
                   const torch::Tensor& params,
                   const torch::Tensor& exp_avg,
-                  const torch::Tensor& exp_avg_sq,
-                  const torch::Tensor& state_ids)
+                  const torch::Tensor& exp_avg_sq)
 {
     TORCH_CHECK_VALUE(ids.dim() == 1 && ids.scalar_type() == torch::kInt64 && ids.is_contiguous(),
                       "ids must be a contiguous 1-D int64 tensor");
@@ -35,25 +33,12 @@ int row_adam_step(int optimizer_id,
         TORCH_CHECK_VALUE(t->scalar_type() == torch::kFloat32 && t->device().is_cpu() && t->is_contiguous(),
                           "params, grads and moments must be contiguous float32 CPU tensors");
     }
-    const bool own_state = state_ids.numel() > 0;
-    TORCH_CHECK_VALUE(exp_avg.sizes() == exp_avg_sq.sizes() && exp_avg.dim() == 2 &&
-                          exp_avg.size(1) == params.size(1) && (own_state || exp_avg.sizes() == params.sizes()),
-                      "exp_avg and exp_avg_sq must have the shape of params (or, with state_ids, its columns)");
-    const int64_t n = ids.numel(), rows = params.size(0), cols = params.size(1), state_rows = exp_avg.size(0);
+    TORCH_CHECK_VALUE(exp_avg.sizes() == params.sizes() && exp_avg_sq.sizes() == params.sizes(),
+                      "exp_avg and exp_avg_sq must have the shape of params");
+    const int64_t n = ids.numel(), rows = params.size(0), cols = params.size(1);
     TORCH_CHECK_VALUE(grads.dim() == 2 && grads.size(0) == n && grads.size(1) == cols,
                       "grads must be (len(ids), columns of params)");
     const int64_t* id = ids.data_ptr<int64_t>();
-    const int64_t* at_state = id;
-    if (own_state) {
-        TORCH_CHECK_VALUE(state_ids.dim() == 1 && state_ids.scalar_type() == torch::kInt64 &&
-                              state_ids.is_contiguous() && state_ids.numel() == n,
-                          "state_ids must be a contiguous 1-D int64 tensor as long as ids");
-        at_state = state_ids.data_ptr<int64_t>();
-        for (int64_t r = 0; r < n; r++) {
-            TORCH_CHECK_INDEX(at_state[r] >= 0 && at_state[r] < state_rows, "state row ", at_state[r],
-                              " out of range for moments of ", state_rows, " rows");
-        }
-    }
     for (int64_t r = 0; r < n; r++) {
         TORCH_CHECK_INDEX(id[r] >= 0 && id[r] < rows, "row id ", id[r], " out of range for a table of ", rows,
                           " rows");
@@ -70,8 +55,8 @@ int row_adam_step(int optimizer_id,
     float* v = exp_avg_sq.data_ptr<float>();
 #pragma omp parallel for schedule(static)
     for (int64_t r = 0; r < n; r++) {
-        const int64_t at = id[r] * cols, state = at_state[r] * cols;
-        opt->Step_8(p + at, g + r * cols, m + state, v + state, cols, false);
+        const int64_t at = id[r] * cols;
+        opt->Step_8(p + at, g + r * cols, m + at, v + at, cols, false);
     }
     return 0;
 }
