@@ -1,4 +1,4 @@
-"""Checkpoints: exact resume (TP=2 host tables, PP=2 device tables), resume under another DP size,
+"""Checkpoints: exact resume (TP=2 host tables, PP=2 device tables), resume under another DP, TP or PP size,
 a save killed by SIGKILL, damaged checkpoints, and the single-process export."""
 
 import contextlib
@@ -76,12 +76,15 @@ def test_resume_equals_straight_run(corpus, tmp_path, parallel, placement, layer
 
 
 @pytest.mark.slow
-def test_resume_with_a_different_dp_size(corpus, tmp_path):
-    """A DP=2 run (distributed optimizer) resumed on one process continues the same trajectory."""
-    common = ["stem.placement=host", "checkpoint.export=${out_dir}/export"]
-    _train(corpus, tmp_path / "straight", *common, parallel="dp2")
-    _train(corpus, tmp_path / "resumed", *common, "train.exit_after_steps=10", parallel="dp2")
-    _train(corpus, tmp_path / "resumed", *common, nproc=1, parallel="single")
+@pytest.mark.parametrize("saved,resumed,nproc,layers", [("dp2", "single", 1, 3), ("pp2", "tp2", 2, 4)])
+def test_resume_under_another_layout(corpus, tmp_path, saved, resumed, nproc, layers):
+    """A DP=2 run (distributed optimizer) resumed on one process, and a PP=2 run resumed at PP=1 x TP=2
+    (host tables split into TP column blocks), continue the same trajectory: losses and every weight and
+    table row within 1e-4."""
+    common = ["stem.placement=host", f"model.num_layers={layers}", "checkpoint.export=${out_dir}/export"]
+    _train(corpus, tmp_path / "straight", *common, parallel=saved)
+    _train(corpus, tmp_path / "resumed", *common, "train.exit_after_steps=10", parallel=saved)
+    _train(corpus, tmp_path / "resumed", *common, nproc=nproc, parallel=resumed)
     _assert_same_run(tmp_path / "straight", tmp_path / "resumed", exact=False)
 
 
@@ -199,6 +202,17 @@ def test_missing_load_path_fails_validation(tmp_path):
     cfg = RunConfig(checkpoint=CheckpointConfig(load=str(tmp_path / "nope")))
     with pytest.raises(ConfigError, match="checkpoint.load: .*nope does not exist"):
         validate(cfg, 1)
+
+
+def test_a_checkpoint_loads_under_another_layout_except_across_ep_1():
+    from stem_megatron.checkpoint import manager
+    from stem_megatron.config import RunConfig
+
+    cfg = RunConfig()
+    manifest = {**manager._identity(cfg), "layout": {"world": 8, "tp": 2, "pp": 2, "ep": 2, "dp": 2}}
+    manager._check_compatible(cfg, manifest, Path("ckpt"), {"world": 4, "tp": 1, "pp": 1, "ep": 4, "dp": 4})
+    with pytest.raises(CheckpointError, match="saved with EP=2 and this run has EP=1: .*Resume with EP > 1"):
+        manager._check_compatible(cfg, manifest, Path("ckpt"), {"world": 1, "tp": 1, "pp": 1, "ep": 1, "dp": 1})
 
 
 def test_metrics_of_a_resumed_run_continue_and_a_fresh_run_starts_a_new_file(tmp_path):

@@ -1,9 +1,11 @@
 """Dense weights and megatron optimizer state through megatron-core dist-checkpointing.
 
-Each rank contributes its TP/PP/EP shard as ``ShardedTensor``s; the distributed optimizer's state uses
-megatron's ``dp_reshardable`` layout (each rank saves its own buffer ranges, no gathering), which
-megatron re-splits on load, so a checkpoint loads under a different DP size. The STEM tables on the host
-are not parameters of the model and are saved separately (``host_tables``).
+Each rank contributes its TP/PP/EP shard as ``ShardedTensor``s. The distributed optimizer's state uses
+megatron's ``fully_reshardable`` layout: at save its DP group gathers its buffer ranges (fp32 main
+params, exp_avg, exp_avg_sq) and writes them in model space, one tensor per parameter with that
+parameter's TP/PP/EP sharding; on load every rank reads the parameters it holds and keeps its own DP
+range. A checkpoint thus loads under another TP, PP, EP or DP size. The STEM tables on the host are
+not parameters of the model and are saved separately (``host_tables``).
 """
 
 from __future__ import annotations
@@ -14,10 +16,12 @@ import torch
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.validation import StrictHandling
 
+from stem_megatron.checkpoint.atomic import CheckpointError
+
 # How megatron lays out the state (stored with the checkpoint; loading must request the same).
 # non_homogeneous_layers: STEM and dense layers have different MLPs, so layers are keyed one by one
 # rather than stacked along a layer axis.
-METADATA = {"distrib_optim_sharding_type": "dp_reshardable", "singleton_local_shards": False,
+METADATA = {"distrib_optim_sharding_type": "fully_reshardable", "singleton_local_shards": False,
             "chained_optim_avoid_prefix": True, "non_homogeneous_layers": True}
 
 
@@ -29,22 +33,28 @@ def _sharded(model, optimizer, is_loading: bool) -> dict:
 
 
 def save(model, optimizer, directory: Path) -> None:
-    """Write this rank's shards of the weights and optimizer state (collective)."""
+    """Write this rank's shards of the weights and optimizer state (collective; the DP group all-gathers
+    the optimizer state first)."""
     Path(directory).mkdir(exist_ok=True)
     dist_checkpointing.save(_sharded(model, optimizer, is_loading=False), str(directory),
                             content_metadata=METADATA)
 
 
-def _empty_adam_state(optimizer) -> None:
-    """Give every parameter a zero Adam state to load into. megatron's torch-Adam fallback (no TE/Apex:
-    our CPU path) creates ``step`` only at the first step, and its distributed optimizer cannot
-    describe (hence load) the state of an optimizer that has not stepped yet. TE's and Apex's FusedAdam
-    (GPU) keep ``step`` in the param group and megatron initialises their state itself; a per-parameter
-    ``step`` would break their ``state_dict()``, so they are left alone."""
+def _torch_adams(optimizer):
+    """The inner torch Adam/AdamW of each part of ``optimizer``: megatron's fallback without TE/Apex (our
+    CPU path), which keeps a per-parameter ``step``. TE's and Apex's FusedAdam (GPU) keep ``step`` in the
+    param group, megatron handles their state itself, and a per-parameter ``step`` would break their
+    ``state_dict()``, so they are left alone."""
     for part in getattr(optimizer, "chained_optimizers", [optimizer]):
-        inner = part.optimizer
-        if not isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)):
-            continue
+        if isinstance(part.optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+            yield part.optimizer
+
+
+def _empty_adam_state(optimizer) -> None:
+    """Give every parameter a zero Adam state to load into: torch Adam creates its state only at the first
+    step, and megatron's distributed optimizer cannot describe (hence load) the state of an optimizer
+    that has not stepped yet."""
+    for inner in _torch_adams(optimizer):
         for group in inner.param_groups:
             for param in group["params"]:
                 if not inner.state[param]:
@@ -52,29 +62,48 @@ def _empty_adam_state(optimizer) -> None:
                                               exp_avg_sq=torch.zeros_like(param))
 
 
-def _set_steps(optimizer, step: int) -> None:
-    """Restore torch Adam's per-parameter ``step`` (bias correction) from the checkpoint's step.
+def _load_optimizer(optimizer, state: dict) -> None:
+    """megatron's ``optimizer.load_state_dict`` in its two halves, with torch Adam's per-parameter ``step``
+    set aside in between: megatron-core 0.16.1's ``load_parameter_state_from_fully_reshardable`` copies
+    every state entry of a parameter from the checkpoint, which has no ``step`` (it lives in the param
+    groups), so on the torch-Adam fallback it fails with KeyError 'step'. ``_set_steps`` puts it back."""
+    parts = getattr(optimizer, "chained_optimizers", [optimizer])
+    for part, part_state in zip(parts, [state] if len(parts) == 1 else [state[k] for k in sorted(state)]):
+        param_state = part_state.pop("param_state", None)  # None: not the distributed optimizer
+        part.load_state_dict(part_state)  # param groups: lr, betas, step
+        if param_state is not None:
+            for inner in _torch_adams(part):
+                for entry in inner.state.values():
+                    entry.pop("step", None)
+            part.load_parameter_state_from_fully_reshardable(param_state)
 
-    On megatron's torch-Adam fallback (no TE/Apex: our CPU path) the distributed optimizer does not
-    round-trip it: after a load every parameter holds the template's value, in one shared tensor that
-    torch increments once per parameter. Every optimizer step is a training step here (fp32/bf16
-    never skip an update), so the training step is the right count.
-    """
-    for part in getattr(optimizer, "chained_optimizers", [optimizer]):
-        for state in part.optimizer.state.values():
-            if "step" in state:
-                state["step"] = torch.tensor(float(step))
+
+def _set_steps(optimizer, step: int) -> None:
+    """Set torch Adam's per-parameter ``step`` (bias correction) from the checkpoint's step, one tensor per
+    parameter (megatron's load leaves one tensor shared by all parameters, which torch would increment
+    once per parameter). Every optimizer step is a training step here (fp32/bf16 never skip an update),
+    so the training step is the right count."""
+    for inner in _torch_adams(optimizer):
+        for param_state in inner.state.values():
+            param_state["step"] = torch.tensor(float(step))
 
 
 def load(model, optimizer, directory: Path, step: int) -> None:
-    """Restore weights and optimizer state saved by ``save`` after ``step`` steps (collective); any key
-    mismatch is an error."""
+    """Restore weights and optimizer state saved by ``save`` after ``step`` steps, resharded to this run's
+    TP/PP/EP/DP layout (collective); any key mismatch is an error."""
+    saved = dist_checkpointing.load_content_metadata(str(directory)) or {}
+    if saved.get("distrib_optim_sharding_type") != METADATA["distrib_optim_sharding_type"]:
+        raise CheckpointError(
+            f"{directory} holds the optimizer state in megatron's "
+            f"{saved.get('distrib_optim_sharding_type', 'unknown')!r} format; this version reads "
+            f"{METADATA['distrib_optim_sharding_type']!r} only. Resume it with the version that wrote it, or "
+            f"start a new run from its weights (checkpoint.init_from)")
     _empty_adam_state(optimizer)
     state = dist_checkpointing.load(_sharded(model, optimizer, is_loading=True), str(directory),
                                     strict=StrictHandling.RAISE_ALL)
     model.module.load_state_dict(state["model"])
     with torch.no_grad():  # fp32 main params are views of the (grad-requiring) model params
-        optimizer.load_state_dict(state["optimizer"])
+        _load_optimizer(optimizer, state["optimizer"])
     _set_steps(optimizer, step)
 
 

@@ -105,7 +105,10 @@ def _warn(message: str) -> None:
         print(f"warning: {message}", file=sys.stderr, flush=True)
 
 
-def _check_compatible(cfg: RunConfig, manifest: dict, path: Path) -> None:
+def _check_compatible(cfg: RunConfig, manifest: dict, path: Path, layout: dict) -> None:
+    """The model and STEM settings must match; the layout may differ (dense state and host tables are
+    resharded) except across EP=1 and EP>1: megatron gives the experts an optimizer of their own only
+    when EP > 1, and its state does not map onto the other structure."""
     want = _identity(cfg)
     for part in ("model", "stem"):
         diff = sorted(k for k in set(want[part]) | set(manifest.get(part, {}))
@@ -115,21 +118,22 @@ def _check_compatible(cfg: RunConfig, manifest: dict, path: Path) -> None:
                 f"{path} was saved with a different {part} config ({', '.join(f'{part}.{k}' for k in diff)}: "
                 f"checkpoint {[manifest.get(part, {}).get(k) for k in diff]} vs this run "
                 f"{[want[part].get(k) for k in diff]}); resume with the checkpoint's settings")
-    saved, now = manifest["layout"], _layout()
-    if (saved["tp"], saved["pp"], saved["ep"]) != (now["tp"], now["pp"], now["ep"]):
+    saved, now = manifest["layout"]["ep"], layout["ep"]
+    if (saved > 1) != (now > 1):
         raise CheckpointError(
-            f"{path} was saved with TP={saved['tp']}, PP={saved['pp']}, EP={saved['ep']} and this run has "
-            f"TP={now['tp']}, PP={now['pp']}, EP={now['ep']}: the optimizer state is in megatron's dp_reshardable "
-            f"format, which reloads under another DP size or node count only. Resume with the saved layout, or "
-            f"start a new run from its weights (checkpoint.init_from)")
+            f"{path} was saved with EP={saved} and this run has EP={now}: megatron keeps the experts' optimizer "
+            f"state apart from the other parameters' only when EP > 1, so it loads between EP sizes above 1, or "
+            f"at EP=1, under any TP, PP, DP size or node count. Resume with EP {'> 1' if saved > 1 else '= 1'}, "
+            f"or start a new run from its weights (checkpoint.init_from)")
 
 
 def load(path: Path, manifest: dict, cfg: RunConfig, trainer, detector) -> int:
     """Restore everything saved by ``save`` (``find`` verified it); returns the step to continue after
     (collective)."""
-    _check_compatible(cfg, manifest, path)
+    layout = _layout()
+    _check_compatible(cfg, manifest, path, layout)
     dense.load(trainer.model, trainer.optimizer, path / "dense", manifest["step"])
-    step = train_state.load(path, trainer.scheduler, detector, same_layout=manifest["layout"] == _layout())
+    step = train_state.load(path, trainer.scheduler, detector, manifest["layout"], layout)
     if trainer.store is not None:
         host_tables.load(trainer.store, path / "stem")
         trainer.store.restore_step(step)

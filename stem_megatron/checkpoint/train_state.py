@@ -3,7 +3,8 @@
 With this and the weights/optimizer/table state a resumed run continues exactly where the saved one
 was: the data position is the step itself (``micro_batches(start_step=...)`` needs no other state).
 RNG states are saved per rank (every generator megatron and torch use) and restored on the same rank;
-under a different layout each rank takes those of its (pipeline, tensor) position on DP rank 0.
+under another DP size or node count each rank takes those of its (pipeline, tensor) position on DP rank 0,
+under another TP or PP size it keeps those seeded at start.
 """
 
 from __future__ import annotations
@@ -44,8 +45,10 @@ def save(directory: Path, step: int, scheduler, detector) -> None:
                    Path(directory) / "train_state.pt")
 
 
-def load(directory: Path, scheduler, detector, same_layout: bool) -> int:
-    """Restore schedule, spike statistics and RNG; returns the step the checkpoint was taken after."""
+def load(directory: Path, scheduler, detector, saved_layout: dict, layout: dict) -> int:
+    """Restore schedule, spike statistics and RNG; returns the step the checkpoint was taken after.
+    Under another TP or PP size no saved generators belong to a rank's position: every rank keeps those
+    seeded at start (they drive dropout only, which the models here do not use)."""
     state = torch.load(Path(directory) / "train_state.pt", map_location="cpu", weights_only=False)
     try:
         scheduler.load_state_dict(state["scheduler"])
@@ -54,8 +57,10 @@ def load(directory: Path, scheduler, detector, same_layout: bool) -> int:
                               f"train.steps / lr / warmup_ratio / decay_style, or start a new run from these "
                               f"weights with checkpoint.init_from") from None
     detector.load_state_dict(state["spikes"])
+    if (saved_layout["tp"], saved_layout["pp"]) != (layout["tp"], layout["pp"]):
+        return int(state["step"])
     c = coordinates()
-    if not same_layout:
+    if saved_layout != layout:
         c["dp"] = 0
     rng = torch.load(_rng_path(directory, c), map_location="cpu", weights_only=False)
     torch.set_rng_state(rng["torch"])
