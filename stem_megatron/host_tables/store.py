@@ -17,7 +17,6 @@ A step, as driven by the training loop:
 
 from __future__ import annotations
 
-import math
 import secrets
 import threading
 import time
@@ -37,6 +36,7 @@ from stem_megatron.host_tables.node import SHM_DIR, node_layout, shared_tensors
 from stem_megatron.host_tables.row_adam import RowAdam
 from stem_megatron.host_tables.transfer import HostToDevice, PrefetchedRows, fetch_rows
 from stem_megatron.layer_plan import planned_layers
+from stem_megatron.model.device_table import table_init_std
 
 _INIT_ROWS = 4096  # rows drawn per generator seed when initialising a table (fixes the init values)
 
@@ -229,11 +229,6 @@ class HostTableStore:
         return out
 
 
-def default_init_std(init_method_std: float, hidden_size: int, table_init_std: Optional[float]) -> float:
-    """Same default as the device table: the scale of the ``W_u x`` entries ``U_l[t]`` replaces."""
-    return init_method_std * math.sqrt(hidden_size) if table_init_std is None else table_init_std
-
-
 def build_store(cfg: RunConfig, tconfig: TransformerConfig, device: torch.device) -> HostTableStore:
     """The host tables of this pipeline stage's STEM layers (collective: every rank builds one)."""
     first = get_transformer_layer_offset(tconfig) + 1
@@ -242,7 +237,7 @@ def build_store(cfg: RunConfig, tconfig: TransformerConfig, device: torch.device
     t, m = cfg.train, cfg.model
     return HostTableStore(
         layers, m.vocab_size, m.ffn_hidden_size,
-        default_init_std(m.init_method_std, m.hidden_size, cfg.stem.table_init_std), t.seed,
+        table_init_std(tconfig, m.vocab_size, cfg.stem.table_init, cfg.stem.table_init_std), t.seed,
         optimizer=cfg.stem.optimizer, betas=(t.adam_beta1, t.adam_beta2), eps=1e-8,
         weight_decay=t.weight_decay, cache_rows=cfg.stem.cache_rows, device=device, shm_dir=cfg.stem.shm_dir,
     )
