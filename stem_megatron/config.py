@@ -45,8 +45,10 @@ class STEMConfig:
     variant: str = "stem"  # dense | stem | stem_dagger | stem_gate | hash_moe
     ratio: str = "1/3"  # 0 | 1/3 | 1/2 | full
     layers: Optional[list[int]] = None  # explicit 0-based layer indices; overrides ratio
-    # None: init_method_std * sqrt(hidden_size), the scale of the W_u x entries that U_l[t] replaces
-    table_init_std: Optional[float] = None
+    # U_l ~ N(0, std) (docs/recipes.md): scaled: std = init_method_std * sqrt(hidden_size), the scale of the W_u x
+    # entries U_l[t] replaces | xavier: std = sqrt(2 / (vocab_size + ffn_hidden_size)), as the released code
+    table_init: str = "scaled"
+    table_init_std: Optional[float] = None  # overrides the std of either table_init
     placement: str = "host"  # host: node-shared host memory + prefetch + CPU Adam | device: a parameter
     optimizer: str = "lazy"  # host tables: lazy (touched rows) | dense (every row, the paper's AdamW)
     prefetch_depth: int = 2  # micro-batches fetched ahead (bounded queue)
@@ -229,6 +231,9 @@ def validate(cfg: RunConfig, world_size: int) -> int:
     _check(s.optimizer in ("lazy", "dense"), "stem.optimizer", f"{s.optimizer!r} is not 'lazy' or 'dense'")
     _check(s.wire_dtype in ("fp32", "bf16"), "stem.wire_dtype", f"{s.wire_dtype!r} is not 'fp32' or 'bf16'")
     _check(s.read_dtype in ("fp32", "bf16"), "stem.read_dtype", f"{s.read_dtype!r} is not 'fp32' or 'bf16'")
+    _check(s.table_init in ("scaled", "xavier"), "stem.table_init",
+           f"{s.table_init!r} is not 'scaled' or 'xavier' (docs/recipes.md)")
+    _check(s.table_init_std is None or s.table_init_std > 0, "stem.table_init_std", "must be > 0 or null")
     _check(s.prefetch_depth >= 1, "stem.prefetch_depth", "must be >= 1")
     _check(s.cache_rows >= 0, "stem.cache_rows", "must be >= 0")
     _check(s.placement != "host" or Path(s.shm_dir).is_dir(), "stem.shm_dir",

@@ -30,6 +30,8 @@ BAD = [
     ("model.num_layers", dict(model=ModelConfig(num_layers=5)), 2, dict(pipeline_model_parallel_size=2)),
     ("stem.ratio", dict(stem=STEMConfig(ratio="1/4")), 1, {}),
     ("stem.layers", dict(stem=STEMConfig(layers=[1, 4])), 1, {}),
+    ("stem.table_init", dict(stem=STEMConfig(table_init="normal")), 1, {}),
+    ("stem.table_init_std", dict(stem=STEMConfig(table_init_std=0.0)), 1, {}),
     ("parallel", dict(), 3, dict(tensor_model_parallel_size=2)),
     ("train.global_batch_size", dict(), 2, {}),
 ]
@@ -87,6 +89,7 @@ def test_paper_experiments_compose_and_validate_for_64_gpus(experiment, model, l
     cfg = to_run_config(_compose(f"+experiment={experiment}", "variant=stem_1_3"))
     assert cfg.model.name == model and cfg.train.lr == lr and cfg.train.global_batch_size == 512
     assert (cfg.train.adam_beta1, cfg.train.adam_beta2, cfg.train.weight_decay) == (0.9, 0.95, 0.1)
+    assert cfg.stem.table_init == "xavier"  # as the released code (docs/recipes.md)
     assert validate(cfg, 64) == 64
 
 

@@ -14,8 +14,8 @@ MODEL = ModelConfig(num_layers=4, hidden_size=32, ffn_hidden_size=64, num_attent
                     seq_length=16)
 
 
-def _cfg(tp, pp, placement, optimizer="dense", steps=STEPS):
-    stem = STEMConfig(variant="stem", ratio="1/2", placement=placement, optimizer=optimizer)
+def _cfg(tp, pp, placement, optimizer="dense", steps=STEPS, table_init="scaled"):
+    stem = STEMConfig(variant="stem", ratio="1/2", placement=placement, optimizer=optimizer, table_init=table_init)
     return RunConfig(model=MODEL, stem=stem,
                      parallel=ParallelConfig(tp, pp),
                      train=TrainConfig(steps=steps, micro_batch_size=MICRO, global_batch_size=GLOBAL, lr=1e-2))
@@ -47,20 +47,21 @@ def _device_tables(model):
     return tables
 
 
-def _host_vs_device(tp, pp):
-    """20 steps with the host store (dense CPU Adam = AdamW on every row) vs the device table."""
+def _host_vs_device(tp, pp, table_init):
+    """20 steps with the host store (dense CPU Adam = AdamW on every row) vs the device table; both draw
+    their own tables (the same values), the dense weights are copied."""
     from megatron.core import parallel_state
 
     from stem_megatron.training.data_stream import with_rows
     from stem_megatron.training.setup import setup_model
     from stem_megatron.training.step import train_step
 
-    dev, host = setup_model(_cfg(tp, pp, "device")), setup_model(_cfg(tp, pp, "host"))
+    dev = setup_model(_cfg(tp, pp, "device", table_init=table_init))
+    host = setup_model(_cfg(tp, pp, "host", table_init=table_init))
     dev_params = dict(dev.model.module.named_parameters())
     with torch.no_grad():
         for name, p in host.model.module.named_parameters():
             p.copy_(dev_params[name])
-    host.store.load_tables(_device_tables(dev.model))
     assert sorted(host.store.layers) == sorted(_device_tables(dev.model))
     dp, dp_rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
     n_micro = GLOBAL // (MICRO * dp)
@@ -71,7 +72,9 @@ def _host_vs_device(tp, pp):
             a = train_step(dev, dev_data, n_micro, MICRO, MODEL.seq_length, MODEL.vocab_size)
             b = train_step(host, host_data, n_micro, MICRO, MODEL.seq_length, MODEL.vocab_size)
             errors["loss"] = max(errors["loss"], abs(a["loss"] - b["loss"]))
-            errors["grad_norm"] = max(errors["grad_norm"], abs(a["grad_norm"] - b["grad_norm"]))
+            # relative above 1: fp32 sums in another order, amplified where the norm spikes (4.05 at dp2's step 19)
+            errors["grad_norm"] = max(errors["grad_norm"],
+                                      abs(a["grad_norm"] - b["grad_norm"]) / max(1.0, a["grad_norm"]))
     errors["dense_weights"] = max((p - dev_params[n]).abs().max().item()
                                   for n, p in host.model.module.named_parameters())
     dev_tables = _device_tables(dev.model)
@@ -85,10 +88,10 @@ LAYOUTS = {"tp2": (2, 1), "pp2": (1, 2), "dp2": (1, 1)}  # (tp, pp) on two proce
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_host_store_trains_like_device_table(layout):
+@pytest.mark.parametrize("layout, table_init", [(layout, "scaled") for layout in LAYOUTS] + [("tp2", "xavier")])
+def test_host_store_trains_like_device_table(layout, table_init):
     tp, pp = LAYOUTS[layout]
-    results = distributed.run(_host_vs_device, 2, tp, pp, tp=tp, pp=pp)
+    results = distributed.run(_host_vs_device, 2, tp, pp, table_init, tp=tp, pp=pp)
     assert sum(r["tables_checked"] for r in results) > 0
     for rank, e in enumerate(results):
         assert e["loss"] < 1e-4, f"{layout} rank {rank}: losses differ by {e['loss']}"

@@ -20,7 +20,6 @@ A step, as driven by the training loop and the prefetcher:
 
 from __future__ import annotations
 
-import math
 import secrets
 import time
 from typing import Optional
@@ -40,8 +39,8 @@ from stem_megatron.host_tables.ownership import RowOwnership
 from stem_megatron.host_tables.row_adam import RowAdam
 from stem_megatron.host_tables.transfer import HostToDevice, PrefetchedRows, fetch_rows
 from stem_megatron.layer_plan import planned_layers
+from stem_megatron.model.device_table import table_init_std, table_row_chunks
 
-_INIT_ROWS = 4096  # rows drawn per generator seed when initialising a table (fixes the init values)
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
@@ -113,11 +112,9 @@ class HostTableStore:
         self._stats = self._new_stats()
 
     def _init_table(self, full: torch.Tensor, layer: int, seed: int, std: float, owned: bool) -> None:
-        """N(0, std) rows by token id, the same on every node and for every TP size: the whole copy, or
-        (``owned``) the master rows of this node's block."""
-        for start in range(0, self.vocab_size, _INIT_ROWS):
-            g = torch.Generator().manual_seed(seed * 1_000_003 + layer * 7919 + start)
-            rows = torch.randn(min(_INIT_ROWS, self.vocab_size - start), self.d_ff, generator=g) * std
+        """``table_row_chunks``' rows (the device table's): the whole copy, or (``owned``) the master rows of
+        this node's block."""
+        for start, rows in table_row_chunks(seed, layer, self.vocab_size, self.d_ff, std):
             ids = torch.arange(start, start + rows.shape[0])
             at = self.own.position(ids)
             if owned:
@@ -308,11 +305,6 @@ class HostTableStore:
         return out
 
 
-def default_init_std(init_method_std: float, hidden_size: int, table_init_std: Optional[float]) -> float:
-    """Same default as the device table: the scale of the ``W_u x`` entries ``U_l[t]`` replaces."""
-    return init_method_std * math.sqrt(hidden_size) if table_init_std is None else table_init_std
-
-
 def build_store(cfg: RunConfig, tconfig: TransformerConfig, device: torch.device) -> HostTableStore:
     """The host tables of this pipeline stage's STEM layers (collective: every rank builds one)."""
     first = get_transformer_layer_offset(tconfig) + 1
@@ -321,7 +313,7 @@ def build_store(cfg: RunConfig, tconfig: TransformerConfig, device: torch.device
     t, m = cfg.train, cfg.model
     return HostTableStore(
         layers, m.vocab_size, m.ffn_hidden_size,
-        default_init_std(m.init_method_std, m.hidden_size, cfg.stem.table_init_std), t.seed,
+        table_init_std(tconfig, m.vocab_size, cfg.stem.table_init, cfg.stem.table_init_std), t.seed,
         optimizer=cfg.stem.optimizer, betas=(t.adam_beta1, t.adam_beta2), eps=1e-8,
         weight_decay=t.weight_decay, cache_rows=cfg.stem.cache_rows, device=device, shm_dir=cfg.stem.shm_dir,
         wire_dtype=cfg.stem.wire_dtype, read_dtype=cfg.stem.read_dtype,

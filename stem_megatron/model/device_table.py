@@ -14,10 +14,7 @@ import math
 import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state
-from megatron.core.tensor_parallel.layers import (
-    _initialize_affine_weight_cpu,
-    _initialize_affine_weight_gpu,
-)
+from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
@@ -25,34 +22,59 @@ from megatron.core.utils import divide
 
 from stem_megatron.model.token_context import MicroBatchTokens
 
+_INIT_ROWS = 4096  # rows drawn per generator seed
 
-def table_init_method(config: TransformerConfig, std: float | None):
-    """N(0, std) init; default std matches the entries of the ``W_u x`` that ``U_l[t]`` replaces."""
-    std = config.init_method_std * math.sqrt(config.hidden_size) if std is None else std
-    return lambda w: torch.nn.init.normal_(w, mean=0.0, std=std)
+
+def table_row_chunks(seed: int, layer: int, vocab_size: int, d_ff: int, std: float):
+    """``U_l``'s rows by token id as (first id, rows) chunks of 4096, each from a generator seeded by
+    (seed, layer, first id): the same table on both placements (device parameter, host store), every
+    node and every TP size."""
+    for start in range(0, vocab_size, _INIT_ROWS):
+        g = torch.Generator().manual_seed(seed * 1_000_003 + layer * 7919 + start)
+        yield start, torch.randn(min(_INIT_ROWS, vocab_size - start), d_ff, generator=g) * std
+
+
+def table_init_std(config: TransformerConfig, vocab_size: int, table_init: str = "scaled",
+                   std: float | None = None) -> float:
+    """The std of ``U_l ~ N(0, std)``: ``std`` if given, else by ``stem.table_init`` (docs/recipes.md):
+    ``scaled``: init_method_std * sqrt(d), the scale of the ``W_u x`` entries ``U_l[t]`` replaces;
+    ``xavier``: sqrt(2 / (V + d_ff)), ``xavier_normal_`` of the V x d_ff table, as the released code does
+    (``ParallelEmbedding`` in lingua/stem_dist_utils.py)."""
+    if std is not None:
+        return std
+    if table_init == "scaled":
+        return config.init_method_std * math.sqrt(config.hidden_size)
+    if table_init == "xavier":
+        return math.sqrt(2 / (vocab_size + config.ffn_hidden_size))
+    raise ValueError(f"stem.table_init must be 'scaled' or 'xavier', got {table_init!r}")
 
 
 class DeviceRowTable(MegatronModule):
-    """``U_l`` (V x d_ff) as a device parameter holding this TP rank's column slice."""
+    """``U_l`` (V x d_ff) as a device parameter holding this TP rank's column slice, drawn once its layer
+    number is known (``set_layer_number``)."""
 
-    def __init__(self, config: TransformerConfig, vocab_size: int, init_std: float | None = None):
+    def __init__(self, config: TransformerConfig, vocab_size: int, table_init: str = "scaled",
+                 init_std: float | None = None, seed: int = 0):
         super().__init__(config=config)
         tp = parallel_state.get_tensor_model_parallel_world_size()
-        d_ff = config.ffn_hidden_size
-        self.vocab_size = vocab_size
-        shape = (vocab_size, divide(d_ff, tp))
-        init = table_init_method(config, init_std)
-        # Same placement and init path as megatron's ColumnParallelLinear (TP-invariant on CPU).
-        if config.use_cpu_initialization:
-            self.weight = torch.nn.Parameter(torch.empty(*shape, dtype=config.params_dtype))
-            _initialize_affine_weight_cpu(
-                self.weight, vocab_size, d_ff, shape[1], 1, init, params_dtype=config.params_dtype
-            )
-        else:
-            self.weight = torch.nn.Parameter(
-                torch.empty(*shape, dtype=config.params_dtype, device=torch.cuda.current_device())
-            )
-            _initialize_affine_weight_gpu(self.weight, init, partition_dim=1)
+        self.vocab_size, self.seed = vocab_size, seed
+        self.std = table_init_std(config, vocab_size, table_init, init_std)
+        device = None if config.use_cpu_initialization else torch.cuda.current_device()
+        self.weight = torch.nn.Parameter(
+            torch.empty(vocab_size, divide(config.ffn_hidden_size, tp), dtype=config.params_dtype, device=device)
+        )
+        set_tensor_model_parallel_attributes(self.weight, is_parallel=True, dim=1, stride=1)
+
+    @torch.no_grad()
+    def set_layer_number(self, layer_number: int) -> None:
+        """Draws the table (megatron's ``TransformerLayer`` calls this right after building the MLP) from
+        ``table_row_chunks``, as the host store does; this rank keeps its column slice."""
+        if self.weight.is_meta:  # parameter counting
+            return
+        d_ff, cols = self.config.ffn_hidden_size, self.weight.shape[1]
+        first = parallel_state.get_tensor_model_parallel_rank() * cols
+        for start, rows in table_row_chunks(self.seed, layer_number, self.vocab_size, d_ff, self.std):
+            self.weight[start:start + rows.shape[0]] = rows[:, first:first + cols]
 
     def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
         """Checkpoint ``weight`` as TP-sharded along d_ff (dim 1); megatron's default would treat it

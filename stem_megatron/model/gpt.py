@@ -92,17 +92,20 @@ def build_gpt(
     post_process: bool | None = None,
     pp_rank: int | None = None,
     attn_mask_type: AttnMaskType = AttnMaskType.causal,
+    seed: int = 0,
 ) -> GPTModel:
     """This rank's GPTModel stage with STEM MLPs on the planned layers; embeddings untied (paper §4.1).
 
-    ``row_source`` is the spec of the module serving ``U_l`` rows (default: a device parameter);
-    ``attn_mask_type=arbitrary`` when batches carry per-document attention masks.
+    ``row_source`` is the spec of the module serving ``U_l`` rows (default: a device parameter drawn from
+    ``seed``, the run's ``train.seed``, as the host tables are); ``attn_mask_type=arbitrary`` when batches
+    carry per-document attention masks.
     """
     if stem.variant == "hash_moe":
         expert_of_token = expert_map(model.vocab_size, stem.num_experts, stem.hash_map, stem.hash_seed)
         mlp = hash_moe_spec(expert_of_token, stem.num_experts, use_te, grouped_gemm=config.moe_grouped_gemm)
     else:
-        mlp = stem_mlp_spec(stem.variant, model.vocab_size, row_source or device_rows(stem.table_init_std), use_te)
+        rows = row_source or device_rows(stem.table_init, stem.table_init_std, seed)
+        mlp = stem_mlp_spec(stem.variant, model.vocab_size, rows, use_te)
     spec = decoder_block_spec(config, planned_layers(model.num_layers, stem), mlp, use_te, pp_rank, attn_mask_type)
     if pre_process is None:
         pre_process = parallel_state.is_pipeline_first_stage()

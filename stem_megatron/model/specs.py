@@ -41,9 +41,10 @@ def linear_classes(use_te: bool):
     return backend.column_parallel_linear(), backend.row_parallel_linear()
 
 
-def device_rows(table_init_std: Optional[float] = None) -> ModuleSpec:
+def device_rows(table_init: str = "scaled", table_init_std: Optional[float] = None, seed: int = 0) -> ModuleSpec:
     """Row source keeping ``U_l`` as a device parameter (reference path, small runs)."""
-    return ModuleSpec(module=DeviceRowTable, params={"init_std": table_init_std})
+    params = {"table_init": table_init, "init_std": table_init_std, "seed": seed}
+    return ModuleSpec(module=DeviceRowTable, params=params)
 
 
 def stem_mlp_spec(

@@ -46,7 +46,7 @@ def setup_model(cfg: RunConfig) -> Trainer:
     # under "causal"); on CPU both apply it
     mask = AttnMaskType.arbitrary if cfg.data.reset_attention_mask else AttnMaskType.causal
     model = build_gpt(cfg.model, cfg.stem, tconfig, row_source=row_source,
-                      use_te=gpu and parallel.have_transformer_engine(), attn_mask_type=mask)
+                      use_te=gpu and parallel.have_transformer_engine(), attn_mask_type=mask, seed=cfg.train.seed)
     if gpu:
         model.cuda()  # megatron's torch RMSNorm (no TE) is created without a device
     model = wrap_ddp(model, tconfig, cfg.parallel)
