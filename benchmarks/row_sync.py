@@ -349,7 +349,7 @@ def goal_check(s: Setup) -> list[str]:
     lines = [(f"Goal (issue 16): owner <= 0.5x Hash-MoE EP=16 per node at 64 GPUs ({moe / GB:.2f} GB); "
               "less at 256 GPUs than at 64")]
     variants = {"owner_fp32": (FP32, FP32), "owner_bf16": (BF16, FP32),
-                "owner_bf16 + bf16 read copy": (BF16, BF16)}
+                "owner_bf16 + bf16 copies": (BF16, BF16)}
     for end, fn in ENDS.items():
         for name, (grad, row) in variants.items():
             at64, at256 = (owner(s, g, fn, grad, row)[0] for g in (64, 256))
@@ -357,8 +357,7 @@ def goal_check(s: Setup) -> list[str]:
             lines.append(f"  {end:<9} {name:<28} {at64 / GB:5.2f} GB = {ratio:.2f}x MoE "
                          f"[{'met' if ratio <= 0.5 else 'NOT met'}]; 256 GPUs {at256 / GB:.2f} GB "
                          f"[{'met' if at256 < at64 else 'NOT met'}]")
-    lines.append("  (a bf16 read copy is not one of the designs yet; it would leave the GPU forward unchanged, "
-                 "which casts\n  the fp32 rows to bf16 before use: stem_megatron/host_tables/row_source.py)")
+    lines.append("  (owner_bf16: stem.wire_dtype=bf16; + bf16 copies: stem.read_dtype=bf16 as well, rows pulled in bf16)")
     return lines
 
 
