@@ -11,8 +11,9 @@ import torch
 
 from stem_megatron.doctor import versions
 from stem_megatron.doctor.cuda import SETUP_ON_GPU_NODE, cuda_problem
-from stem_megatron.doctor.recipe import compose_run, host_table_bytes
+from stem_megatron.doctor.recipe import host_table_bytes
 from stem_megatron.doctor.report import OK, SKIPPED, Broken, Result, first_line, run_check
+from stem_megatron.recipes import compose_run
 
 NO_GPU = (SKIPPED, "no GPU")
 PINNED_TEST_BYTES = 256 << 20

@@ -1,24 +1,12 @@
-"""A run's configuration as ``stem-train`` composes it (recipes + Hydra overrides), without running it."""
+"""The host memory a composed run's tables take (``recipes.compose_run`` composes it)."""
 
 from __future__ import annotations
 
-from typing import Sequence
-
-from stem_megatron.config import RunConfig, to_run_config
+from stem_megatron.config import RunConfig
 from stem_megatron.layer_plan import planned_layers
 
 FP32_BYTES = 4
 HOST_TENSORS = 3  # a table and its two Adam moments
-
-
-def compose_run(overrides: Sequence[str] = ()) -> RunConfig:
-    """The typed config of ``stem-train <overrides>`` (``recipes/train.yaml`` and the groups it names)."""
-    from hydra import compose, initialize_config_dir
-
-    from stem_megatron.train import RECIPES  # also registers the schema and resolvers the recipes use
-
-    with initialize_config_dir(config_dir=RECIPES, version_base=None):
-        return to_run_config(compose("train", overrides=list(overrides)))
 
 
 def host_table_bytes(cfg: RunConfig) -> int:
