@@ -94,7 +94,7 @@ class HostMemoryError(RuntimeError):
     """The node's shared memory cannot hold its STEM tables; the message names the bytes and the fixes."""
 
 
-def _space(directory: str) -> tuple[int, int]:
+def free_space(directory: str) -> tuple[int, int]:
     """(free bytes in ``directory``, the machine's available memory): a tmpfs is backed by memory."""
     stat = os.statvfs(directory)
     with open("/proc/meminfo") as meminfo:
@@ -109,7 +109,8 @@ def _too_small(directory: str, need: int, free: int, available: int) -> HostMemo
         f"moments, fp32), but it has {free / gib:.2f} GiB free and the machine {available / gib:.2f} GiB of available "
         f"memory. Fixes: a larger shared-memory directory (a container's --shm-size, or stem.shm_dir=<a larger "
         f"tmpfs>), a smaller stem.ratio or model.vocab_size, more pipeline stages (each holds only its layers' "
-        f"tables), or stem.placement=device when the tables fit on the GPU")
+        f"tables), more nodes (each holds the moments of its share of the rows), or stem.placement=device when the "
+        f"tables fit on the GPU. `stem-flops --memory <overrides> --nodes N` plans a run's memory before launch")
 
 
 def shared_tensors(
@@ -128,7 +129,7 @@ def shared_tensors(
     every rank of the node raises it.
     """
     needed: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(needed, (shapes, _space(directory)), group=group)
+    dist.all_gather_object(needed, (shapes, free_space(directory)), group=group)
     me = dist.get_rank(group)
     mine_to_create = [n for n in shapes if min(i for i, (ns, _) in enumerate(needed) if n in ns) == me]
     itemsize = torch.tensor([], dtype=dtype).element_size()
@@ -153,7 +154,7 @@ def shared_tensors(
         for name in mine_to_create:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(os.path.join(directory, name))
-        raise _too_small(directory, need, *_space(directory))
+        raise _too_small(directory, need, *free_space(directory))
     tensors = {n: torch.from_file(os.path.join(directory, n), shared=True, size=math.prod(shape), dtype=dtype)
                .view(shape) for n, shape in shapes.items()}
     for name in mine_to_create:
