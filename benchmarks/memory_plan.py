@@ -3,8 +3,10 @@
 Runs ``python -m torch.distributed.run --nproc_per_node N -m stem_megatron.train <overrides>`` for 2 steps
 (its own out_dir, no resume, no validation) on one node, polls every 50 ms and stops the run once step 2 is
 in ``metrics.jsonl`` (before its final checkpoint is written). Measured:
-- shared memory: the peak of the shared-memory directory's used bytes (``statvfs``) minus the value before
-  launch (other users of the directory disturb it);
+- shared memory: the run's tmpfs files, read from the ranks' ``/proc/<pid>/maps`` (the files are unlinked once
+  mapped; each counted once, by inode; fallocated, so their size is their memory); and, for reference, the peak
+  of the directory's used bytes (``statvfs``) minus the value before launch, which other users of the
+  directory disturb;
 - each rank's peak RSS (``VmHWM``, kept by the kernel: no peak is missed between polls). A rank's RSS counts
   every page of the node-shared tables it touched and the libraries' file pages, which the other ranks map
   too; a rank's own peak is ``VmHWM - RssShmem - RssFile``;
@@ -65,6 +67,17 @@ def _kib(path: str, *keys: str) -> dict[str, int]:
     return fields
 
 
+def _mapped_files(pid: int, directory: str) -> dict[int, int]:
+    """inode -> bytes of the files under ``directory`` a process maps."""
+    out = {}
+    for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
+        fields = line.split(maxsplit=5)
+        if len(fields) == 6 and fields[5].startswith(directory.rstrip("/") + "/"):
+            start, end = (int(x, 16) for x in fields[0].split("-"))
+            out[int(fields[4])] = max(out.get(int(fields[4]), 0), end - start)
+    return out
+
+
 def _shm_used(directory: str) -> int:
     s = os.statvfs(directory)
     return (s.f_blocks - s.f_bfree) * s.f_frsize
@@ -79,7 +92,8 @@ def measure(overrides: list[str], nproc: int, shm_dir: str) -> dict:
         shm_before = _shm_used(shm_dir)
         agent = subprocess.Popen(cmd, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                  text=True)
-        shm = pss = 0
+        statvfs = pss = 0
+        files: dict[int, int] = {}
         ranks: dict[int, dict[str, int]] = {}
         metrics = Path(out) / "metrics.jsonl"
         try:
@@ -89,9 +103,10 @@ def measure(overrides: list[str], nproc: int, shm_dir: str) -> dict:
                     try:
                         total += _kib(f"/proc/{pid}/smaps_rollup", "Pss")["Pss"]
                         ranks[pid] = _kib(f"/proc/{pid}/status", "VmHWM", "RssFile", "RssShmem")
+                        files.update(_mapped_files(pid, shm_dir))
                     except (OSError, KeyError):  # the rank ended between listing and reading
                         continue
-                pss, shm = max(pss, total), max(shm, _shm_used(shm_dir) - shm_before)
+                pss, statvfs = max(pss, total), max(statvfs, _shm_used(shm_dir) - shm_before)
                 if metrics.exists() and any(json.loads(line)["step"] == STEPS
                                             for line in metrics.read_text().splitlines() if line.strip()):
                     break
@@ -104,8 +119,9 @@ def measure(overrides: list[str], nproc: int, shm_dir: str) -> dict:
             agent.wait()
     own = sum(r["VmHWM"] - r["RssShmem"] - r["RssFile"] for r in ranks.values())
     own += max(r["RssFile"] for r in ranks.values())
-    return {"shm": shm, "ranks_own": own, "node": own + shm, "rss_max": max(r["VmHWM"] for r in ranks.values()),
-            "pss_sum": pss, "ranks": len(ranks)}
+    shm = sum(files.values())
+    return {"shm": shm, "shm_statvfs": statvfs, "ranks_own": own, "node": own + shm, "pss_sum": pss,
+            "rss_max": max(r["VmHWM"] for r in ranks.values()), "ranks": len(ranks)}
 
 
 def main() -> None:
@@ -127,14 +143,16 @@ def main() -> None:
     rank += (node["ranks"]["process"] - LIBRARY_BYTES + node["ranks"]["adam_gradients"]
              + node["ranks"]["pinned_rows"]) // nproc + LIBRARY_BYTES
     measured = measure(args.overrides, nproc, cfg.stem.shm_dir)
-    rows = [("shared memory", shared, measured["shm"]),
+    rows = [("shared memory (the run's files)", shared, measured["shm"]),
             ("ranks' own memory (+ libraries once)", sum(node["ranks"].values()), measured["ranks_own"]),
             ("node total", node["total"], measured["node"]),
             ("largest rank RSS (plan: upper bound)", rank + shared, measured["rss_max"])]
     print(f"\n{'measured on this machine, ' + str(nproc) + ' rank(s)':<42}{'plan':>12}{'measured':>12}{'ratio':>8}")
     for label, p, m in rows:
         print(f"  {label:<40}{p / GIB:>8.3f} GiB{m / GIB:>8.3f} GiB{m / p if p else float('nan'):>8.3f}")
-    print(f"  {'(summed Pss of the ranks, polled)':<40}{'':>12}{measured['pss_sum'] / GIB:>8.3f} GiB")
+    for label, key in (("(shm directory's use, statvfs)", "shm_statvfs"),
+                       ("(summed Pss of the ranks, polled)", "pss_sum")):
+        print(f"  {label:<40}{'':>12}{measured[key] / GIB:>8.3f} GiB")
     if args.json:
         Path(args.json).write_text(json.dumps({"plan": planned, "measured": measured, "rows": [
             {"what": label, "plan": p, "measured": m, "ratio": m / p if p else None} for label, p, m in rows]},

@@ -6,7 +6,8 @@ pipeline stage with ranks on the node and each STEM layer of that stage, the nod
 owned, d_ff/tp]``, owned = the node's range of ``RowOwnership``, ~V/N over the N nodes its DP group spans):
 exactly the files ``node.shared_tensors`` creates. Per rank: the process (python, torch, megatron, DeepSpeed's
 op, gloo, datasets; measured), the row gradients CPU Adam reads, and on GPU the pinned buffers fetched rows
-pass through. The dense model has no host copy.
+pass through (two micro-batches' rows: one being copied, the next being gathered). The dense model has no
+host copy.
 
 Device, per GPU (per rank on CPU, where it is host memory too): dense parameters (bf16 on GPU, fp32 on CPU),
 their fp32 gradient buffer (``grad_reduce_in_fp32``), megatron's Adam state (fp32 main parameters on GPU and 2
@@ -208,7 +209,8 @@ def plan(cfg: RunConfig, layout: Layout, distinct_ids: Optional[int] = None) -> 
             grads = layers * touched * (row + 8) + (mine * row if s.optimizer == "dense" and layers else 0)
             ranks["process"] += count * PROCESS_BYTES
             ranks["adam_gradients"] += count * grads
-            ranks["pinned_rows"] += count * layers * (s.prefetch_depth + 1) * uniq * row * gpu
+            # pinned copies of a micro-batch's rows in flight and of the next (torch's host allocator keeps them)
+            ranks["pinned_rows"] += count * layers * 2 * uniq * row * gpu
             ranks["device_parts"] += count * stages[stage]["device_total"] * (not gpu)
         ranks["process"] += LIBRARY_BYTES
         shared = node_shared_bytes(cfg, layout, n)
