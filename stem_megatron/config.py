@@ -200,6 +200,23 @@ def _validate_data(d: DataConfig) -> None:
 
 def validate(cfg: RunConfig, world_size: int) -> int:
     """Check every field that would otherwise fail deep inside megatron; returns the DP size."""
+    dp = validate_layout(cfg, world_size)
+    s, c = cfg.stem, cfg.checkpoint
+    _check(s.placement != "host" or Path(s.shm_dir).is_dir(), "stem.shm_dir",
+           f"{s.shm_dir} is not a directory: give a tmpfs directory every rank of a node sees (e.g. /dev/shm)")
+    if s.variant == "hash_moe" and cfg.parallel.tensor_model_parallel_size > 1:
+        _check(torch.cuda.is_available(), "parallel.tensor_model_parallel_size",
+               "Hash-MoE with TP>1 needs sequence parallelism, which megatron-core 0.16 supports only with "
+               "Transformer Engine/Apex norms (GPU); on CPU use expert parallelism with TP=1")
+    _validate_data(cfg.data)
+    for name, path in (("checkpoint.load", c.load), ("checkpoint.init_from", c.init_from)):
+        _check(path is None or Path(path).exists(), name, f"{path} does not exist")
+    return dp
+
+
+def validate_layout(cfg: RunConfig, world_size: int) -> int:
+    """The checks of ``validate`` that read no file and no device: the fields and their fit to a world of
+    ``world_size`` ranks (also before launch, on any machine: ``stem-flops --memory``); returns the DP size."""
     m, s, p, t = cfg.model, cfg.stem, cfg.parallel, cfg.train
     tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
     _check(tp >= 1 and pp >= 1, "parallel", "tensor/pipeline sizes must be >= 1")
@@ -236,8 +253,6 @@ def validate(cfg: RunConfig, world_size: int) -> int:
     _check(s.table_init_std is None or s.table_init_std > 0, "stem.table_init_std", "must be > 0 or null")
     _check(s.prefetch_depth >= 1, "stem.prefetch_depth", "must be >= 1")
     _check(s.cache_rows >= 0, "stem.cache_rows", "must be >= 0")
-    _check(s.placement != "host" or Path(s.shm_dir).is_dir(), "stem.shm_dir",
-           f"{s.shm_dir} is not a directory: give a tmpfs directory every rank of a node sees (e.g. /dev/shm)")
     ep = p.expert_model_parallel_size
     _check(ep >= 1 and (world_size // pp) % ep == 0, "parallel.expert_model_parallel_size",
            f"{ep} does not divide the {world_size // pp} ranks of a pipeline stage")
@@ -247,9 +262,6 @@ def validate(cfg: RunConfig, world_size: int) -> int:
     if s.variant == "hash_moe" and tp > 1:
         _check(p.sequence_parallel, "parallel.sequence_parallel",
                "megatron's MoE layer with tensor parallelism needs sequence parallelism: set it to true")
-        _check(torch.cuda.is_available(), "parallel.tensor_model_parallel_size",
-               "Hash-MoE with TP>1 needs sequence parallelism, which megatron-core 0.16 supports only with "
-               "Transformer Engine/Apex norms (GPU); on CPU use expert parallelism with TP=1")
     if s.variant == "hash_moe":
         _check(s.num_experts >= 1 and s.num_experts % ep == 0, "stem.num_experts",
                f"{s.num_experts} experts are not divisible by expert_model_parallel_size={ep}")
@@ -263,7 +275,6 @@ def validate(cfg: RunConfig, world_size: int) -> int:
         raise ConfigError(f"stem.layers: {e}") from None
     _check(m.vocab_size >= cfg.data.vocab_size, "model.vocab_size",
            f"{m.vocab_size} is smaller than the tokenizer's data.vocab_size={cfg.data.vocab_size}")
-    _validate_data(cfg.data)
     per_step = t.micro_batch_size * dp
     _check(t.global_batch_size % per_step == 0, "train.global_batch_size",
            f"{t.global_batch_size} is not divisible by micro_batch_size*dp = {per_step}")
@@ -283,8 +294,6 @@ def validate(cfg: RunConfig, world_size: int) -> int:
     _check(c.init_from or c.load or not c.init_required, "checkpoint.init_from",
            "this recipe continues an earlier training stage: set checkpoint.init_from=<that run's checkpoints "
            "directory or one of its step_* checkpoints>")
-    for name, path in (("checkpoint.load", c.load), ("checkpoint.init_from", c.init_from)):
-        _check(path is None or Path(path).exists(), name, f"{path} does not exist")
     lg = cfg.logging
     _check(lg.wandb_mode in ("offline", "online", "disabled"), "logging.wandb_mode",
            f"{lg.wandb_mode!r} is not 'offline', 'online' or 'disabled'")

@@ -11,8 +11,9 @@ import torch
 
 from stem_megatron.doctor import versions
 from stem_megatron.doctor.cuda import SETUP_ON_GPU_NODE, cuda_problem
-from stem_megatron.doctor.recipe import compose_run, host_table_bytes
 from stem_megatron.doctor.report import OK, SKIPPED, Broken, Result, first_line, run_check
+from stem_megatron.flops.memory import Layout, node_shared_bytes
+from stem_megatron.recipes import compose_run
 
 NO_GPU = (SKIPPED, "no GPU")
 PINNED_TEST_BYTES = 256 << 20
@@ -79,14 +80,17 @@ def check_pinned_memory() -> tuple[str, str]:
 def check_shm(overrides: Sequence[str]) -> tuple[str, str]:
     run = " ".join(overrides) or "the demo"
     try:
-        need = host_table_bytes(compose_run(overrides))
+        cfg = compose_run(overrides)
     except Exception as e:  # noqa: BLE001 - Hydra's and the schema's messages say what is wrong
         raise Broken(f"the overrides {run!r} do not compose: {first_line(e)}") from None
+    tp, pp = cfg.parallel.tensor_model_parallel_size, cfg.parallel.pipeline_model_parallel_size
+    need = sum(node_shared_bytes(cfg, Layout(1, tp * pp, tp, pp), 0).values())  # one node: every row's moments
     free = shutil.disk_usage("/dev/shm").free
     if free < need:
-        raise Broken(f"{_gib(free)} free, {run}'s host tables need about {_gib(need)}: ask the job for more "
-                     f"memory (tmpfs counts against it), or use stem.placement=device / more pipeline stages")
-    return OK, f"{_gib(free)} free, {run}'s host tables need about {_gib(need)}"
+        raise Broken(f"{_gib(free)} free, {run}'s host tables need {_gib(need)} on one node: ask the job for more "
+                     f"memory (tmpfs counts against it), or use stem.placement=device / more pipeline stages / more "
+                     f"nodes (`stem-flops --memory {' '.join(overrides)} --nodes N` plans them)")
+    return OK, f"{_gib(free)} free, {run}'s host tables need {_gib(need)} on one node"
 
 
 def _gpu_only(check, gpu: bool, cuda_ok: bool):

@@ -16,7 +16,7 @@ from typing import Optional, Sequence
 def main(argv: Optional[Sequence[str]] = None) -> None:
     nproc, *overrides = sys.argv[1:] if argv is None else argv
     from stem_megatron.doctor.cuda import cuda_problem
-    from stem_megatron.doctor.recipe import compose_run
+    from stem_megatron.recipes import compose_run
 
     problem = cuda_problem(int(nproc))
     if problem:

@@ -1,10 +1,12 @@
 """``stem-flops``: FLOPs, parameters and training ROI of STEM vs dense SwiGLU transformers from the
-command line. Run ``stem-flops --help``; see docs/flops.md."""
+command line, and a run's memory plan (``--memory``). Run ``stem-flops --help``; see docs/flops.md and
+docs/memory.md."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 from dataclasses import replace
@@ -53,8 +55,48 @@ def build_parser() -> argparse.ArgumentParser:
                              "preset, variant[, ratio, group, baseline, gflops_per_token, training_flops])")
     parser.add_argument("--baseline", default=None, help="ROI: normalise every row to this row name")
     parser.add_argument("--list", action="store_true", help="list the presets and exit")
-    parser.add_argument("--json", action="store_true", help="print one JSON document")
+    parser.add_argument("--json", nargs="?", const="-", metavar="PATH",
+                        help="write one JSON document to PATH (no PATH: print it instead of the text; put it last)")
+    memory = parser.add_argument_group(
+        "memory plan", "--memory: host bytes per node and device bytes per GPU of a run; the positional arguments are "
+                       "stem-train's recipe overrides (+experiment=pretrain_1b variant=stem_1_3 stem.cache_rows=4096)")
+    memory.add_argument("--memory", action="store_true", help="print the memory plan of the run the overrides compose")
+    memory.add_argument("--nodes", type=int, default=1, help="nodes (default 1)")
+    memory.add_argument("--gpus-per-node", type=int, default=8, help="GPUs (ranks) per node (default 8); DP = "
+                        "nodes x GPUs per node / (TP x PP)")
+    memory.add_argument("--tp", type=int, default=None, help="tensor-parallel size (default: the recipe's)")
+    memory.add_argument("--pp", type=int, default=None, help="pipeline stages (default: the recipe's)")
+    memory.add_argument("--device", choices=("gpu", "cpu"), default="gpu",
+                        help="gpu: bf16 weights, flash attention (default) | cpu: fp32, megatron's local attention")
+    memory.add_argument("--distinct-ids", type=int, default=None,
+                        help="distinct token ids per micro-batch (default: the bound min(V, b*s); a run's "
+                             "stem_unique_tokens / micro-batches per step gives the real figure)")
     return parser
+
+
+def _memory(args) -> dict:
+    """Compose the run as stem-train would, lay it out, print and return the plan."""
+    from stem_megatron.flops.memory import Layout, plan, print_plan
+    from stem_megatron.host_tables.node import free_space
+    from stem_megatron.recipes import compose_run
+
+    try:
+        cfg = compose_run(args.models)
+    except Exception as e:  # noqa: BLE001 - Hydra's and the schema's messages say what is wrong
+        raise FlopsError(f"the overrides {' '.join(args.models)!r} do not compose: {str(e).splitlines()[0]}") from None
+    par = cfg.parallel
+    par.tensor_model_parallel_size = args.tp or par.tensor_model_parallel_size
+    par.pipeline_model_parallel_size = args.pp or par.pipeline_model_parallel_size
+    layout = Layout(args.nodes, args.gpus_per_node, par.tensor_model_parallel_size,
+                    par.pipeline_model_parallel_size, args.device)
+    result = plan(cfg, layout, args.distinct_ids)
+    result["overrides"] = list(args.models)
+    if args.json != "-":
+        machine = None
+        if os.path.isdir(cfg.stem.shm_dir):
+            machine = (cfg.stem.shm_dir, *free_space(cfg.stem.shm_dir))
+        print_plan(result, " ".join(args.models) or "the demo (recipes/train.yaml)", machine)
+    return result
 
 
 def _variant_from_args(args) -> Variant:
@@ -79,11 +121,15 @@ def run(argv: Sequence[str] | None = None) -> dict:
     """Parse ``argv``, compute, print (text or JSON) and return the JSON-ready result."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.memory:
+        result = _memory(args)
+        _write_json(result, args.json)
+        return result
     if args.list:
         presets = {name: str(path.relative_to(REPO))
                    for name, path in sorted(list_presets().items(), key=lambda kv: natural_key(kv[0]))}
         if args.json:
-            print(json.dumps({"presets": presets}, indent=2))
+            _write_json({"presets": presets}, args.json)
         else:
             for name, path in presets.items():
                 print(f"{name:<20}{path}")
@@ -112,9 +158,8 @@ def run(argv: Sequence[str] | None = None) -> dict:
         result["models"] = reports
     if args.roi:
         result["roi"] = training_roi(load_results(args.roi), args.baseline, args.seq_len)
-    if args.json:
-        print(json.dumps(result, indent=2))
-    else:
+    _write_json(result, args.json)
+    if args.json != "-":
         for rep in reports:
             print_report(rep)
             if rep.get("megatron_matches_analytic") is False:
@@ -127,6 +172,14 @@ def run(argv: Sequence[str] | None = None) -> dict:
                 print()
             print_roi(result["roi"])
     return result
+
+
+def _write_json(result: dict, path: str | None) -> None:
+    if path == "-":
+        print(json.dumps(result, indent=2))
+    elif path:
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(result, f, indent=2)
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -94,7 +94,7 @@ class HostMemoryError(RuntimeError):
     """The node's shared memory cannot hold its STEM tables; the message names the bytes and the fixes."""
 
 
-def _space(directory: str) -> tuple[int, int]:
+def free_space(directory: str) -> tuple[int, int]:
     """(free bytes in ``directory``, the machine's available memory): a tmpfs is backed by memory."""
     stat = os.statvfs(directory)
     with open("/proc/meminfo") as meminfo:
@@ -110,7 +110,8 @@ def _too_small(directory: str, need: int, free: int, available: int) -> HostMemo
         f"{available / gib:.2f} GiB of available memory. Fixes: a larger shared-memory directory (a container's "
         f"--shm-size, or stem.shm_dir=<a larger tmpfs>), bf16 table copies (stem.read_dtype=bf16), more nodes "
         f"(each holds the moments of 1/N of the rows), a smaller stem.ratio or model.vocab_size, more pipeline "
-        f"stages (each holds only its layers' tables), or stem.placement=device when the tables fit on the GPU")
+        f"stages (each holds only its layers' tables), or stem.placement=device when the tables fit on the GPU. "
+        f"`stem-flops --memory <overrides> --nodes N` plans a run's memory before launch")
 
 
 def shared_tensors(
@@ -129,7 +130,7 @@ def shared_tensors(
     every rank of the node raises it.
     """
     needed: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(needed, (specs, _space(directory)), group=group)
+    dist.all_gather_object(needed, (specs, free_space(directory)), group=group)
     me = dist.get_rank(group)
     mine_to_create = [n for n in specs if min(i for i, (ns, _) in enumerate(needed) if n in ns) == me]
 
@@ -157,7 +158,7 @@ def shared_tensors(
         for name in mine_to_create:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(os.path.join(directory, name))
-        raise _too_small(directory, need, *_space(directory))
+        raise _too_small(directory, need, *free_space(directory))
     tensors = {n: torch.from_file(os.path.join(directory, n), shared=True, size=math.prod(shape), dtype=dtype)
                .view(shape) for n, (shape, dtype) in specs.items()}
     for name in mine_to_create:

@@ -1,0 +1,268 @@
+"""Memory plan of a run before launch (``stem-flops --memory``): host bytes per node, device bytes per GPU.
+
+Host, per node, as the code lays it out (``host_tables/store.py``, ``node.py``, ``ownership.py``): for every
+pipeline stage with ranks on the node and each STEM layer of that stage, the node-shared copy of ``U_l``
+(``[tp, V, d_ff/tp]``: every row on every node, fp32 or bf16 by ``stem.read_dtype``) and the Adam moments of
+the rows the node owns (2 x ``[tp, owned, d_ff/tp]``, owned = the node's range of ``RowOwnership``, ~V/N over
+the N nodes its DP group spans), with bf16 copies also their fp32 master rows (``[tp, owned, d_ff/tp]``):
+exactly the files ``node.shared_tensors`` creates. Per rank: the process (python, torch, megatron, DeepSpeed's
+op, gloo, datasets; measured), the row gradients CPU Adam reads, and on GPU the pinned buffers fetched rows
+pass through (two micro-batches' rows: one being copied, the next being gathered). The dense model has no
+host copy.
+
+Device, per GPU (per rank on CPU, where it is host memory too): dense parameters (bf16 on GPU, fp32 on CPU),
+their fp32 gradient buffer (``grad_reduce_in_fp32``), megatron's Adam state (fp32 main parameters on GPU and 2
+moments; sharded over DP with the distributed optimizer), the hot-row cache, the compact rows of every
+micro-batch of a step and their gradients (kept until ``reduce_gradients``), and activations: an estimate of
+what autograd keeps for backward (no recomputation; flash attention on GPU, megatron's local attention with
+its s x s probabilities on CPU) for the micro-batches 1F1B keeps in flight.
+
+Distinct ids per micro-batch default to their bound, min(V, b*s); a run's metrics give the real figure
+(``stem_unique_tokens`` / micro-batches per step) for ``--distinct-ids``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Optional
+
+from stem_megatron.config import ConfigError, RunConfig, validate_layout
+from stem_megatron.flops.arch import FlopsError
+from stem_megatron.flops.variants import FFN_MATMULS
+from stem_megatron.layer_plan import planned_layers
+
+FP32, GIB = 4, 2**30
+# a rank's peak RSS minus its model, optimizer and activations: python, torch, megatron, DeepSpeed's CPU Adam op,
+# gloo, datasets; anonymous memory per rank and the libraries' file pages once per node (two dense models, one
+# CPU process, micro-batch 1; docs/memory.md). A CUDA process adds its context and libraries, not counted here.
+PROCESS_BYTES, LIBRARY_BYTES = 355 * 2**20, 95 * 2**20
+# activations kept per token and layer, counted on CPU by a saved-tensor hook (docs/memory.md): 6 of hidden size
+# around the two norms, and of the FFN's d_ff/tp by variant (STEM: W_g x, SiLU, rows, product)
+NORM_TERMS = 6
+FFN_TERMS = {"dense": 5, "stem": 4, "stem_gate": 4, "stem_dagger": 4, "hash_moe": 5}
+# the peak RSS a micro-batch's activations add over the tensors kept for backward (backward's gradients and the
+# allocator's slack): 1.30 and 1.52 on two small shapes on CPU (docs/memory.md); unmeasured on GPU
+ACTIVATION_PEAK = 1.4
+DEVICE_PARTS = {
+    "parameters": "parameters", "gradients": "gradients (fp32)", "optimizer": "Adam state",
+    "hot_row_cache": "hot-row cache", "step_rows": "STEM rows + grads of a step", "activations": "activations (est.)"}
+NODE_PARTS = {
+    "tables": "U_l copies (every row)", "masters": "fp32 master rows (owned; bf16 copies)",
+    "moments": "Adam moments (owned rows)", "process": "processes",
+    "adam_gradients": "row gradients for CPU Adam", "pinned_rows": "pinned row staging",
+    "device_parts": "ranks' device parts (CPU)"}
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where the ranks run: ``nodes`` x ``gpus_per_node`` ranks in megatron's order (TP fastest, then DP, PP)."""
+
+    nodes: int = 1
+    gpus_per_node: int = 8
+    tp: int = 1
+    pp: int = 1
+    device: str = "gpu"  # gpu: bf16 weights, Transformer Engine attention | cpu: fp32, megatron's local attention
+
+    @property
+    def world(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+    @property
+    def dp(self) -> int:
+        return self.world // (self.tp * self.pp)
+
+
+def check_layout(cfg: RunConfig, layout: Layout) -> None:
+    """FlopsError naming the problem when the run cannot start on ``layout``."""
+    n, g, tp, pp = layout.nodes, layout.gpus_per_node, layout.tp, layout.pp
+    if min(n, g, tp, pp) < 1:
+        raise FlopsError(f"--nodes, --gpus-per-node, --tp and --pp must be >= 1 (got {n}, {g}, {tp}, {pp})")
+    if layout.device not in ("gpu", "cpu"):
+        raise FlopsError(f"--device {layout.device!r}: expected gpu or cpu")
+    if layout.world % (tp * pp):
+        raise FlopsError(f"{n} node(s) x {g} GPUs = {layout.world} ranks are not divisible by tp*pp = {tp * pp}")
+    if g % tp:
+        raise FlopsError(f"TP={tp} does not divide the {g} GPUs of a node: a tensor-parallel group stays in a node")
+    stage = tp * layout.dp  # ranks of a pipeline stage
+    if stage % g and g % stage:
+        raise FlopsError(f"a pipeline stage's {stage} ranks neither fill whole {g}-GPU nodes nor divide a node: "
+                         f"its data-parallel groups would spread unevenly over nodes")
+    try:
+        validate_layout(cfg, layout.world)
+    except ConfigError as e:
+        raise FlopsError(str(e)) from None
+
+
+def _stage_layers(cfg: RunConfig, pp: int, stage: int) -> range:
+    per = cfg.model.num_layers // pp
+    return range(stage * per, (stage + 1) * per)
+
+
+def host_stem_layers(cfg: RunConfig, pp: int, stage: int) -> list[int]:
+    """0-based STEM layers of ``stage`` whose ``U_l`` lives in host memory."""
+    if cfg.stem.placement != "host" or cfg.stem.variant in ("dense", "hash_moe"):
+        return []
+    return [i for i in planned_layers(cfg.model.num_layers, cfg.stem) if i in _stage_layers(cfg, pp, stage)]
+
+
+def rank_parameters(cfg: RunConfig, layout: Layout, stage: int) -> tuple[int, int]:
+    """(parameters, of which Hash-MoE experts) of one rank of ``stage``: megatron's shapes, TP-sharded."""
+    m, s, tp = cfg.model, cfg.stem, layout.tp
+    d, f, V = m.hidden_size, m.ffn_hidden_size, m.vocab_size
+    kv = (m.num_query_groups or m.num_attention_heads) * (d // m.num_attention_heads)
+    replaced = set(planned_layers(m.num_layers, s))
+    total = experts = 0
+    for i in _stage_layers(cfg, layout.pp, stage):
+        total += (d * (d + 2 * kv) + d * d) // tp + 2 * d  # QKV, projection, two RMSNorms
+        if i not in replaced:
+            total += 3 * d * f // tp
+        elif s.variant == "hash_moe":
+            e = s.num_experts // cfg.parallel.expert_model_parallel_size * 3 * d * (s.expert_ffn_hidden_size or f)
+            total, experts = total + e, experts + e
+        else:
+            total += FFN_MATMULS[s.variant] * d * f // tp + (V * f // tp if s.placement == "device" else 0)
+    if stage == 0:
+        total += V * d // tp  # embedding
+    if stage == layout.pp - 1:
+        total += V * d // tp + d  # output layer, final norm
+    return total, experts
+
+
+def activation_bytes(cfg: RunConfig, layout: Layout, stage: int, in_flight: int) -> int:
+    """Estimate of the activations of ``in_flight`` micro-batches of ``stage`` at their peak: the tensors
+    autograd keeps for backward, counted per token and layer as megatron's modules keep them, times
+    ``ACTIVATION_PEAK`` (backward's gradients on top of them)."""
+    m, tp = cfg.model, layout.tp
+    d, f, heads, seq = m.hidden_size, m.ffn_hidden_size, m.num_attention_heads, m.seq_length
+    kv = (m.num_query_groups or heads) * (d // heads)
+    w = 2 if layout.device == "gpu" else FP32
+    hidden = d // tp if cfg.parallel.sequence_parallel else d
+    # the fused QKV output (a view of it, v, is kept), q and k after RoPE, the context; on CPU with GQA k and v
+    # are repeated to every head instead (the QKV output is then freed), and the s x s probabilities are kept
+    attention = 3 * d + 3 * kv if layout.device == "gpu" or kv == d else 4 * d
+    attention = attention / tp + (0 if layout.device == "gpu" else heads / tp * seq)
+    replaced = set(planned_layers(m.num_layers, cfg.stem))
+    ffn = [FFN_TERMS[cfg.stem.variant if i in replaced else "dense"] for i in _stage_layers(cfg, layout.pp, stage)]
+    per_token = sum((NORM_TERMS * hidden + attention + terms * f / tp) * w for terms in ffn)
+    if stage == layout.pp - 1:  # final norm, output layer input; fp32 logits (their exp, in place, is kept) and on
+        per_token += 2 * hidden * w + m.vocab_size / tp * (FP32 + (w if layout.device == "gpu" else 0))  # GPU the bf16
+    return int(ACTIVATION_PEAK * per_token * cfg.train.micro_batch_size * seq * in_flight)
+
+
+def _node_stages(layout: Layout, node: int) -> list[tuple[int, int, int, int]]:
+    """(stage, index of the node among its DP group's nodes, nodes of a DP group, DP peers on the node) for each
+    stage with ranks on ``node`` (TP ranks stay in a node, so they agree)."""
+    g, tp, dp = layout.gpus_per_node, layout.tp, layout.dp
+    out = {}
+    for r in range(node * g, (node + 1) * g):
+        stage = r // (tp * dp)
+        group = [stage * tp * dp + r % tp + tp * j for j in range(dp)]
+        nodes = sorted({q // g for q in group})
+        out[stage] = (stage, nodes.index(node), len(nodes), sum(q // g == node for q in group))
+    return list(out.values())
+
+
+def node_shared_bytes(cfg: RunConfig, layout: Layout, node: int) -> dict[str, int]:
+    """Bytes of the node-shared files of ``node`` (``node.shared_tensors``): table copies, and the owned rows'
+    moments (and fp32 masters, with bf16 copies)."""
+    from stem_megatron.host_tables.ownership import RowOwnership
+
+    V, row = cfg.model.vocab_size, cfg.model.ffn_hidden_size // layout.tp * FP32
+    bf16 = cfg.stem.read_dtype == "bf16"
+    out = {"tables": 0, "masters": 0, "moments": 0}
+    for stage, dp_node, dp_nodes, peers in _node_stages(layout, node):
+        layers = len(host_stem_layers(cfg, layout.pp, stage))
+        owned = layers * layout.tp * RowOwnership(V, dp_nodes, dp_node, peers, 0).owned_rows * row
+        out["tables"] += layers * layout.tp * V * row // (2 if bf16 else 1)
+        out["moments"] += 2 * owned
+        out["masters"] += owned if bf16 else 0
+    return out
+
+
+def plan(cfg: RunConfig, layout: Layout, distinct_ids: Optional[int] = None) -> dict:
+    """The plan as a JSON-ready dict: ``stages`` (one rank's device parts), ``nodes`` (host parts per node)."""
+    check_layout(cfg, layout)
+    m, s, t, par = cfg.model, cfg.stem, cfg.train, cfg.parallel
+    V, gpu, dp, row = m.vocab_size, layout.device == "gpu", layout.dp, m.ffn_hidden_size // layout.tp * FP32
+    micro = t.global_batch_size // (t.micro_batch_size * dp)
+    uniq = min(V, distinct_ids or t.micro_batch_size * m.seq_length)
+    copy_row = row // (2 if s.read_dtype == "bf16" else 1)  # a row of the host copies, the cache and staging
+    stages = []
+    for p in range(layout.pp):
+        params, experts = rank_parameters(cfg, layout, p)
+        state = (FP32 if gpu else 0) + 2 * FP32  # fp32 main copy of bf16 weights, two Adam moments
+        expert_dp = dp * layout.tp // par.expert_model_parallel_size
+        sharded = (params - experts) / dp + experts / expert_dp if par.use_distributed_optimizer else params
+        layers = len(host_stem_layers(cfg, layout.pp, p))
+        device = {
+            "parameters": params * (2 if gpu else FP32),
+            "gradients": params * FP32,
+            "optimizer": int(state * sharded),
+            "hot_row_cache": layers * min(s.cache_rows, V) * copy_row,
+            # every micro-batch's rows and gradients until the step's reduce, and its merge of one layer
+            "step_rows": (2 * layers + 2 * bool(layers)) * micro * uniq * row,
+            "activations": activation_bytes(cfg, layout, p, min(micro, layout.pp - p)),
+        }
+        stages.append({"stage": p, "stem_layers": [i + 1 for i in host_stem_layers(cfg, layout.pp, p)],
+                       "parameters": params, "device": device, "device_total": sum(device.values())})
+    nodes = []
+    for n in range(layout.nodes):
+        ranks = dict.fromkeys(("process", "adam_gradients", "pinned_rows", "device_parts"), 0)
+        for stage, _, dp_nodes, peers in _node_stages(layout, n):
+            layers, count = len(stages[stage]["stem_layers"]), peers * layout.tp  # the stage's ranks here
+            mine = math.ceil(V / (dp_nodes * peers))  # rows one rank updates: its share of its node's
+            touched = min(mine, math.ceil(micro * dp * uniq / (dp_nodes * peers)))
+            grads = layers * touched * (row + 8) + (mine * row if s.optimizer == "dense" and layers else 0)
+            ranks["process"] += count * PROCESS_BYTES
+            ranks["adam_gradients"] += count * grads
+            # pinned copies of a micro-batch's rows in flight and of the next (torch's host allocator keeps them)
+            ranks["pinned_rows"] += count * layers * 2 * uniq * copy_row * gpu
+            ranks["device_parts"] += count * stages[stage]["device_total"] * (not gpu)
+        ranks["process"] += LIBRARY_BYTES
+        shared = node_shared_bytes(cfg, layout, n)
+        nodes.append({"node": n, "stages": [e[0] for e in _node_stages(layout, n)], "shared": shared,
+                      "ranks": ranks, "total": sum(shared.values()) + sum(ranks.values())})
+    return {"layout": asdict(layout) | {"dp": dp}, "micro_batches": micro, "distinct_ids": uniq,
+            "optimizer": s.optimizer, "distributed_optimizer": par.use_distributed_optimizer, "stages": stages,
+            "nodes": nodes}
+
+
+def print_plan(result: dict, title: str, machine: Optional[tuple[str, int, int]] = None) -> None:
+    """The plan as two tables (per GPU by stage, per node by kind of node); ``machine``: (shared-memory
+    directory, its free bytes, MemAvailable) of this machine, compared with the node that needs most."""
+    lay = result["layout"]
+    unit = "GPU" if lay["device"] == "gpu" else "rank"
+    print(f"memory plan: {title}")
+    print(f"  {lay['nodes']} node(s) x {lay['gpus_per_node']} {unit}s, TP={lay['tp']} PP={lay['pp']} DP={lay['dp']}, "
+          f"{'bf16 on GPU' if lay['device'] == 'gpu' else 'fp32 on CPU'}, "
+          f"{'distributed' if result['distributed_optimizer'] else 'replicated'} Adam; {result['micro_batches']} "
+          f"micro-batch(es) a step, <= {result['distinct_ids']:,} distinct ids each; STEM Adam {result['optimizer']}")
+    stages = result["stages"]
+    _table(f"per {unit}", [f"stage {s['stage']}" for s in stages], DEVICE_PARTS,
+           [s["device"] for s in stages], [s["device_total"] for s in stages])
+    groups: dict = {}
+    for node in result["nodes"]:
+        groups.setdefault(repr((node["stages"], node["shared"], node["ranks"])), []).append(node)
+    names = [f"node {g[0]['node']}" + (f"-{g[-1]['node']}" if len(g) > 1 else "") for g in groups.values()]
+    _table("per node", names, NODE_PARTS, [g[0]["shared"] | g[0]["ranks"] for g in groups.values()],
+           [g[0]["total"] for g in groups.values()])
+    if lay["device"] == "gpu":
+        print("processes: measured on CPU; a CUDA process's context and libraries come on top. Activations: an "
+              "estimate (docs/memory.md)")
+    if machine:
+        directory, free, available = machine
+        most = max(result["nodes"], key=lambda n: n["total"])
+        shared = sum(most["shared"].values())
+        verdict = "fits" if shared <= free and most["total"] <= available else "does NOT fit"
+        print(f"this machine: {directory} {free / GIB:.2f} GiB free, MemAvailable {available / GIB:.2f} GiB; node "
+              f"{most['node']} needs {shared / GIB:.2f} GiB shared, {most['total'] / GIB:.2f} GiB in all: {verdict}")
+
+
+def _table(head: str, columns: list[str], parts: dict, values: list[dict], totals: list[int]) -> None:
+    size, unit = (GIB, "GiB") if max(totals) >= GIB else (2**20, "MiB")
+    print(f"\n{head:<32}" + "".join(f"{c:>14}" for c in columns))
+    for key, label in parts.items():
+        if any(v[key] for v in values):
+            print(f"  {label:<30}" + "".join(f"{v[key] / size:>10.2f} {unit}" for v in values))
+    print(f"  {'total':<30}" + "".join(f"{t / size:>10.2f} {unit}" for t in totals))

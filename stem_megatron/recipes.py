@@ -1,0 +1,62 @@
+"""The recipes (``recipes/``) and how ``stem-train`` composes them with Hydra overrides into a ``RunConfig``.
+
+Registers the schema and the resolvers the recipes use on import, so ``stem-train`` and every command that
+plans or checks a run before launch (``stem-flops --memory``, ``stem-doctor``) read one composition.
+
+A run's default directory (``out_dir: ${run_dir:...}`` in ``recipes/train.yaml``) carries a digest of
+what decides its training, so a run never resumes an unrelated run's checkpoint while the same command
+(a requeue, a rerun) finds its own again; each job of a sweep (``-m``) runs in its own directory under the
+sweep's.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Sequence
+
+from hydra.core.config_store import ConfigStore
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
+from omegaconf import DictConfig, OmegaConf
+
+from stem_megatron.config import RunConfig, to_run_config
+
+RECIPES = str(Path(__file__).resolve().parent.parent / "recipes")
+
+# what decides a run's training (a run resumed with other values would not continue it)
+_IGNORED = {"train": ("log_interval", "exit_after_steps", "eval_interval", "eval_iters"),
+            "stem": ("prefetch_depth", "cache_rows", "shm_dir")}
+
+
+def _multirun() -> bool:
+    return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
+
+
+def run_dir(base: str, _root_: DictConfig) -> str:
+    """``<base>-<digest of model, stem, parallel, train, data, checkpoint.init_from>``; in a sweep, the job's
+    own directory under the sweep's (``hydra.sweep.dir/hydra.sweep.subdir``)."""
+    if _multirun():
+        return HydraConfig.get().runtime.output_dir
+    identity = {key: OmegaConf.to_container(_root_[key], resolve=True)
+                for key in ("model", "stem", "parallel", "train", "data")}
+    for key, fields in _IGNORED.items():
+        for name in fields:
+            identity[key].pop(name, None)
+    identity["init_from"] = _root_.checkpoint.init_from
+    digest = hashlib.sha1(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:8]
+    return f"{base}-{digest}"
+
+
+ConfigStore.instance().store(name="run_schema", node=RunConfig)
+OmegaConf.register_new_resolver("slug", lambda value: str(value).replace("/", "_"), replace=True)  # paths
+OmegaConf.register_new_resolver("run_dir", run_dir, replace=True)
+
+
+def compose_run(overrides: Sequence[str] = ()) -> RunConfig:
+    """The typed config of ``stem-train <overrides>`` (``recipes/train.yaml`` and the groups it names)."""
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=RECIPES, version_base=None):
+        return to_run_config(compose("train", overrides=list(overrides)))

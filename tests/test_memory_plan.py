@@ -1,0 +1,102 @@
+"""The memory plan (``stem-flops --memory``, ``flops/memory.py``): its host bytes are the bytes the store maps on
+each node (four ranks emulating 2 and 4 nodes, as tests/test_row_ownership.py does), its parameter counts are
+those of the megatron model each rank builds, the CLI prints it for a recipe, and a bad layout is a clear error."""
+
+import json
+import os
+
+import distributed
+import pytest
+import torch
+
+from stem_megatron.config import DataConfig, ModelConfig, ParallelConfig, RunConfig, STEMConfig, TrainConfig
+from stem_megatron.flops.cli import main
+from stem_megatron.flops.memory import Layout, node_shared_bytes, plan, rank_parameters
+
+V = 1002  # not a multiple of the node counts: owner ranges differ by a row
+
+
+def _config(tp: int, pp: int, **stem) -> RunConfig:
+    return RunConfig(model=ModelConfig(num_layers=4, hidden_size=16, ffn_hidden_size=24, num_attention_heads=2,
+                                       vocab_size=V, seq_length=8),
+                     stem=STEMConfig(ratio="1/2", **stem), parallel=ParallelConfig(tp, pp),
+                     train=TrainConfig(micro_batch_size=1, global_batch_size=4), data=DataConfig(vocab_size=V))
+
+
+def _store_and_model(nodes: int, tp: int, pp: int, copies: str) -> dict:
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from stem_megatron.host_tables.store import build_store
+    from stem_megatron.model.device_table import DeviceRowTable
+    from stem_megatron.model.gpt import build_gpt, transformer_config
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    os.environ["GROUP_RANK"] = str(rank * nodes // world)  # the launcher's node: ranks node by node
+    cfg = _config(tp, pp, read_dtype=copies)
+    tconfig = transformer_config(cfg.model, cfg.parallel, on_gpu=False, stem=cfg.stem)
+    store = build_store(cfg, tconfig, torch.device("cpu"))
+    stem = STEMConfig(ratio="1/2", placement="device")
+    with torch.device("meta"):
+        gpt = build_gpt(cfg.model, stem, transformer_config(cfg.model, cfg.parallel, on_gpu=False, stem=stem))
+    total = sum(p.numel() for p in gpt.parameters())
+    tables = sum(m.weight.numel() for m in gpt.modules() if isinstance(m, DeviceRowTable))
+    counted = {"device": total, "host": total - tables}  # host tables: the layer holds no parameter
+    return {"node": store.own.node, "host_bytes": store.host_bytes, "parameters": counted,
+            "stage": parallel_state.get_pipeline_model_parallel_rank()}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("nodes,tp,pp,copies", [(4, 1, 1, "fp32"), (2, 2, 1, "fp32"), (2, 1, 2, "fp32"),
+                                               (4, 1, 1, "bf16")])
+def test_plan_is_what_each_node_maps_and_each_rank_builds(nodes, tp, pp, copies):
+    """4 ranks: 4 nodes of 1 (DP over 4 nodes), 2 nodes of a TP pair (DP over 2), 2 nodes of one stage each;
+    and 4 nodes with bf16 copies of the tables (fp32 masters of the owned rows)."""
+    layout = Layout(nodes, 4 // nodes, tp, pp, "cpu")
+    for r in distributed.run(_store_and_model, 4, nodes, tp, pp, copies, tp=tp, pp=pp):
+        cfg = _config(tp, pp, read_dtype=copies)
+        assert r["host_bytes"] == sum(node_shared_bytes(cfg, layout, r["node"]).values()) > 0
+        for placement, count in r["parameters"].items():
+            assert rank_parameters(_config(tp, pp, placement=placement), layout, r["stage"])[0] == count, placement
+    planned = plan(_config(tp, pp, read_dtype=copies), layout)
+    assert [sum(n["shared"].values()) for n in planned["nodes"]] == [
+        sum(node_shared_bytes(_config(tp, pp, read_dtype=copies), layout, n).values()) for n in range(nodes)]
+
+
+def test_one_node_holds_every_row_and_its_moments():
+    cfg = _config(1, 1)
+    row = 24 * 4
+    assert node_shared_bytes(cfg, Layout(1, 2), 0) == {"tables": 2 * V * row, "masters": 0, "moments": 2 * 2 * V * row}
+    # 3 nodes: each holds every row, and moments for its third (334 rows)
+    assert node_shared_bytes(cfg, Layout(3, 1), 1) == {"tables": 2 * V * row, "masters": 0,
+                                                       "moments": 2 * 2 * 334 * row}
+
+
+def test_cli_prints_the_plan_of_a_recipe(tmp_path, capsys):
+    path = tmp_path / "plan.json"
+    main(["--memory", "+experiment=pretrain_350m", "variant=stem_1_3", "--nodes", "2", "--json", str(path)])
+    out = capsys.readouterr().out
+    assert "memory plan: +experiment=pretrain_350m variant=stem_1_3" in out
+    assert "2 node(s) x 8 GPUs, TP=1 PP=1 DP=16" in out and "per GPU" in out and "per node" in out
+    assert "U_l copies" in out and "Adam moments" in out and "activations (est.)" in out
+    result = json.loads(path.read_text())
+    shared = result["nodes"][0]["shared"]
+    assert shared["tables"] == 10 * 32000 * 2560 * 4 and shared["moments"] == 2 * 10 * 16000 * 2560 * 4
+    assert result["micro_batches"] == 4 and result["distinct_ids"] == 8 * 2048
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--nodes", "2", "--gpus-per-node", "6", "--tp", "4"], "TP=4 does not divide the 6 GPUs of a node"),
+    (["--gpus-per-node", "3", "--pp", "2"], "3 ranks are not divisible by tp*pp = 2"),
+    (["--gpus-per-node", "8", "--pp", "3"], "not divisible by tp*pp = 3"),
+    (["--nodes", "3", "--pp", "2"], "neither fill whole 8-GPU nodes nor divide a node"),
+    (["--nodes", "0"], "must be >= 1"),
+    (["--gpus-per-node", "3"], "train.global_batch_size: 512 is not divisible by micro_batch_size*dp = 24"),
+    (["model.num_layers=five"], "do not compose"),
+])
+def test_a_bad_layout_is_a_clear_error(args, message, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["--memory", "+experiment=pretrain_350m", *args])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("stem-flops: error: ") and message in err, err
