@@ -6,7 +6,15 @@ import numpy as np
 import pytest
 import torch
 
-from stem_megatron.config import ConfigError, ModelConfig, ParallelConfig, RunConfig, STEMConfig, validate
+from stem_megatron.config import (
+    ConfigError,
+    DataConfig,
+    ModelConfig,
+    ParallelConfig,
+    RunConfig,
+    STEMConfig,
+    validate,
+)
 from stem_megatron.model.hash_moe import frequency_balanced_map, random_balanced_map
 
 V, E = 64, 4
@@ -76,7 +84,7 @@ def test_every_token_reaches_the_expert_its_id_maps_to():
 
 def test_tensor_parallel_hash_moe_fails_early_on_cpu():
     cfg = RunConfig(model=MODEL, stem=STEMConfig(variant="hash_moe", num_experts=E),
-                    parallel=ParallelConfig(tensor_model_parallel_size=2))
+                    parallel=ParallelConfig(tensor_model_parallel_size=2), data=DataConfig(vocab_size=MODEL.vocab_size))
     with pytest.raises(ConfigError, match="parallel.sequence_parallel"):
         validate(cfg, 2)
     cfg.parallel.sequence_parallel = True

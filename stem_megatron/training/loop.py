@@ -84,7 +84,7 @@ def _train(cfg: RunConfig, dp: int) -> list[dict]:
     with WandbTracker(cfg.out_dir, dataclasses.asdict(cfg), project=lg.project, mode=lg.wandb_mode,
                       name=lg.run_name, tags=lg.tags, entity=lg.entity, group=lg.group,
                       enabled=rank0 and lg.wandb) as tracker, \
-            batch_stream(train_data, cfg, dp, trainer.store, n_micro, start_step=resumed) as data:
+            batch_stream(train_data, cfg, dp, trainer.store, n_micro, start_step=resumed, steps=last - resumed) as data:
         for step in range(resumed + 1, last + 1):
             start = time.perf_counter()
             out = train_step(trainer, data, n_micro, t.micro_batch_size, cfg.model.seq_length, cfg.model.vocab_size)
