@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from stem_megatron.host_tables.ownership import RowOwnership
 
-WIRE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # stem.wire_dtype / stem.read_dtype
 
 
 class RowExchange:
@@ -29,7 +29,7 @@ class RowExchange:
         """``local_group``: this rank's DP peers on its node (None: alone); ``rail_group``: the ranks of
         this peer class on every node, group rank = node index (None: one node)."""
         self.own, self.local, self.rail, self.device = ownership, local_group, rail_group, device
-        self.wire = WIRE_DTYPES[wire_dtype]
+        self.wire = DTYPES[wire_dtype]
         self.stats = self.new_stats()
 
     @staticmethod

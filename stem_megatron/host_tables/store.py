@@ -33,7 +33,7 @@ from megatron.core.transformer.transformer_layer import get_transformer_layer_of
 
 from stem_megatron.config import RunConfig
 from stem_megatron.host_tables.cache import HotRowCache
-from stem_megatron.host_tables.exchange import WIRE_DTYPES, RowExchange
+from stem_megatron.host_tables.exchange import DTYPES, RowExchange
 from stem_megatron.host_tables.node import SHM_DIR, node_layout, shared_tensors
 from stem_megatron.host_tables.ownership import RowOwnership
 from stem_megatron.host_tables.row_adam import RowAdam
@@ -78,7 +78,7 @@ class HostTableStore:
         self.exchange = RowExchange(self.own, n.local, n.rail, self.device, wire_dtype)
         run_id = [secrets.token_hex(6) if dist.get_rank() == 0 else None]
         dist.broadcast_object_list(run_id, src=0)
-        self.read_dtype = WIRE_DTYPES[read_dtype]
+        self.read_dtype = DTYPES[read_dtype]
         own, fp32 = self.own.owned_rows, torch.float32
         specs = {"weight": (vocab_size, self.read_dtype), "exp_avg": (own, fp32), "exp_avg_sq": (own, fp32)}
         if self.read_dtype != fp32:
@@ -133,10 +133,10 @@ class HostTableStore:
         """``U_l`` as a V x d_ff matrix of the owners' fp32 master rows, on DP rank 0 (None elsewhere); a
         collective over the first peers of this DP group's nodes (all TP blocks of a node's master rows are
         in its shared files)."""
-        block = self.full[layer, "master"] if (layer, "master") in self.full else \
-            self.full[layer, "weight"][:, self.own.lo:self.own.hi]
         if self.node.peer_index != 0:
             return None
+        block = self.full[layer, "master"] if (layer, "master") in self.full else \
+            self.full[layer, "weight"][:, self.own.lo:self.own.hi]
         blocks = [block]
         if self.node.rail is not None:
             blocks = [None] * self.node.dp_nodes if self.node.dp_node == 0 else None
