@@ -56,6 +56,8 @@ class STEMConfig:
     shm_dir: str = "/dev/shm"  # host tables: the node's shared-memory (tmpfs) directory they are mapped from
     wire_dtype: str = "fp32"  # host tables: row gradients sent to their owner node in fp32 (exact) | bf16
     read_dtype: str = "fp32"  # host tables: each node's copy of the tables fp32 | bf16 (fp32 masters at the owners)
+    # host tables: send a layer's row gradients to their owners while backward runs through the earlier layers
+    overlap_exchange: bool = True
     # hash_moe (the Hash-Layer baseline): experts per replaced layer, their d_ff, the token->expert map
     num_experts: int = 16
     expert_ffn_hidden_size: Optional[int] = None  # None: model.ffn_hidden_size

@@ -14,14 +14,22 @@ A step, as driven by the training loop and the prefetcher:
 2. ``register`` (forward of ``HostRowSource``): the compact row tensor whose ``.grad`` backward fills.
 3. ``reduce_gradients``: per layer, merge the micro-batches' compact gradients by id and send them to the
    owners (``exchange.RowExchange.to_owners``), which average over DP; the squared norm for global clipping.
+   With ``overlap`` (after ``begin_step``), a layer is sent by an exchange thread as soon as the step's last
+   micro-batch's backward has filled its rows' gradients (a post-accumulate-grad hook), while backward goes
+   on through the earlier layers; ``reduce_gradients`` then waits for that thread and sends what is left.
+   Backward finishes layers in the same order on every rank of an exchange group, so the thread issues the
+   groups' collectives in the same order everywhere. CPU Adam cannot start earlier: the clipping norm needs
+   every layer's gradients.
 4. ``step``: CPU Adam on the rows this rank owns, then ``refresh`` for the next step's ids: rows updated
    elsewhere that this node reads next are pulled from their owners (rows read in step s+1 reflect step s).
 """
 
 from __future__ import annotations
 
+import functools
 import secrets
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Optional
 
 import torch
@@ -61,6 +69,7 @@ class HostTableStore:
         shm_dir: str = SHM_DIR,
         wire_dtype: str = "fp32",
         read_dtype: str = "fp32",
+        overlap: bool = True,
     ):
         """Collective over the world (node and exchange groups and the shared tables are created here)."""
         if optimizer not in ("lazy", "dense"):
@@ -109,6 +118,12 @@ class HostTableStore:
         self.steps_done = 0
         self._pending: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {layer: [] for layer in self.layers}
         self._grads: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        # overlap: one thread sends layers in the order backward finishes them; micro-batches of the step
+        # (None: no step begun, every layer is sent by reduce_gradients) and how many filled each layer
+        self._sender = ThreadPoolExecutor(1, "stem-exchange", self._sender_device) if overlap else None
+        self._micro_batches: Optional[int] = None
+        self._filled = dict.fromkeys(self.layers, 0)
+        self._sent: dict[int, Future] = {}
         self._stats = self._new_stats()
 
     def _init_table(self, full: torch.Tensor, layer: int, seed: int, std: float, owned: bool) -> None:
@@ -201,28 +216,62 @@ class HostTableStore:
         for key, value in stats.items():
             self._stats[key] += value
 
+    def begin_step(self, micro_batches: int) -> None:
+        """A training step of ``micro_batches`` starts: with overlap, each layer is sent to its owners once
+        that many of its micro-batches have their gradients."""
+        self._micro_batches = micro_batches
+        self._filled = dict.fromkeys(self.layers, 0)
+
     def register(self, layer: int, uniq: torch.Tensor, rows: torch.Tensor) -> None:
         """Keep a micro-batch's compact rows; backward fills ``rows.grad`` (unique ids x columns)."""
         self._pending[layer].append((uniq, rows))
+        if self._sender is not None and self._micro_batches is not None:
+            rows.register_post_accumulate_grad_hook(functools.partial(self._filled_one, layer))
+
+    def _filled_one(self, layer: int, _rows: torch.Tensor) -> None:
+        """Backward hook: after the step's last micro-batch, layer ``layer``'s gradients are final."""
+        self._filled[layer] += 1
+        if self._filled[layer] == self._micro_batches:
+            ready = torch.cuda.Event() if self.device.type == "cuda" else None
+            if ready is not None:
+                ready.record()  # the gradients are written on backward's stream; the sender waits for them
+            self._sent[layer] = self._sender.submit(self._send_layer, layer, ready)
+
+    def _sender_device(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)  # the current device is per thread
+
+    def _send_layer(self, layer: int, ready=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Merge layer ``layer``'s micro-batch gradients by id and send them to their owners; returns (ids
+        this rank updates, their DP-averaged gradients on the host, the squared norm of those rows)."""
+        if ready is not None:
+            torch.cuda.current_stream(self.device).wait_event(ready)
+        items = self._pending[layer]
+        ids = torch.cat([u.to(self.device) for u, _ in items] or [torch.empty(0, dtype=torch.int64,
+                                                                               device=self.device)])
+        grads = torch.cat([r.grad for _, r in items] or [torch.empty(0, self.cols, device=self.device)])
+        items.clear()
+        merged, inverse = torch.unique(ids, return_inverse=True)
+        compact = torch.zeros(merged.numel(), self.cols, device=self.device).index_add_(0, inverse, grads)
+        owned, summed = self.exchange.to_owners(merged, compact)
+        summed /= dist.get_world_size(self.dp_group)
+        self._stats["bytes_from_device"] += summed.numel() * 4
+        return owned.cpu(), summed.cpu(), summed.pow(2).sum()  # only the rows this rank updates go to host
 
     def reduce_gradients(self) -> torch.Tensor:
-        """Merge the step's compact gradients by id, send them to their owners (DP average there); returns
+        """Every layer's gradients at their owners (DP-averaged), those sent during backward first; returns
         the squared norm of the STEM gradients summed over DP, TP and PP (each row counted once)."""
+        start = time.perf_counter()
+        sent = {layer: future.result() for layer, future in self._sent.items()}  # the thread is idle after
+        self._stats["layers_sent_in_backward"] += len(sent)
+        self._sent.clear()
         sq = torch.zeros((), dtype=torch.float32, device=self.device)
-        dp = dist.get_world_size(self.dp_group)
         for layer in self.layers:
-            items = self._pending[layer]
-            ids = torch.cat([u.to(self.device) for u, _ in items] or [torch.empty(0, dtype=torch.int64,
-                                                                                   device=self.device)])
-            grads = torch.cat([r.grad for _, r in items] or [torch.empty(0, self.cols, device=self.device)])
-            merged, inverse = torch.unique(ids, return_inverse=True)
-            compact = torch.zeros(merged.numel(), self.cols, device=self.device).index_add_(0, inverse, grads)
-            owned, summed = self.exchange.to_owners(merged, compact)
-            summed /= dp
-            self._stats["bytes_from_device"] += summed.numel() * 4
-            sq += summed.pow(2).sum()
-            self._grads[layer] = (owned.cpu(), summed.cpu())  # only the rows this rank updates
-            items.clear()
+            owned, grads, layer_sq = sent[layer] if layer in sent else self._send_layer(layer)
+            self._grads[layer] = (owned, grads)
+            sq += layer_sq
+        self._micro_batches = None
+        self._stats["exchange_wait_s"] += time.perf_counter() - start
         dist.all_reduce(sq, group=self.dp_group)
         dist.all_reduce(sq, group=parallel_state.get_model_parallel_group())
         return sq
@@ -284,7 +333,8 @@ class HostTableStore:
     @staticmethod
     def _new_stats() -> dict:
         return dict(unique_tokens=0, rows_fetched=0, bytes_to_device=0, bytes_from_device=0, rows_updated=0,
-                    rows_pulled=0, cpu_adam_s=0.0, cache_hits=0, cache_lookups=0)
+                    rows_pulled=0, cpu_adam_s=0.0, exchange_wait_s=0.0, layers_sent_in_backward=0, cache_hits=0,
+                    cache_lookups=0)
 
     def take_stats(self) -> dict:
         """This step's counters (prefixed ``stem_``), reset for the next step: ``stem_bytes_sent`` by this
@@ -316,5 +366,5 @@ def build_store(cfg: RunConfig, tconfig: TransformerConfig, device: torch.device
         table_init_std(tconfig, m.vocab_size, cfg.stem.table_init, cfg.stem.table_init_std), t.seed,
         optimizer=cfg.stem.optimizer, betas=(t.adam_beta1, t.adam_beta2), eps=1e-8,
         weight_decay=t.weight_decay, cache_rows=cfg.stem.cache_rows, device=device, shm_dir=cfg.stem.shm_dir,
-        wire_dtype=cfg.stem.wire_dtype, read_dtype=cfg.stem.read_dtype,
+        wire_dtype=cfg.stem.wire_dtype, read_dtype=cfg.stem.read_dtype, overlap=cfg.stem.overlap_exchange,
     )
