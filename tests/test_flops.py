@@ -229,6 +229,7 @@ def test_roi_with_exact_flops_table_in_docs(tmp_path):
     rows = [
         ("Baseline", 49.72, "mobilellm_350m", "dense", 1.00),
         ("Hash-MoE", 50.58, "mobilellm_350m", "hash_moe", 1.02),
+        ("Hash-MoE 1992", 50.58, "mobilellm_350m", "hash_moe:1992", 1.05),
         ("STEM", 50.90, "mobilellm_350m", "stem_1_3", 1.08),
         ("gate", 49.10, "mobilellm_350m", "stem_gate", 1.04),
         ("dagger", 50.60, "mobilellm_350m", "stem_dagger", 1.02),
@@ -238,7 +239,8 @@ def test_roi_with_exact_flops_table_in_docs(tmp_path):
         ("STEM 1B", 56.63, "llama3.2_1b", "stem_1_3", 1.07),
     ]
     path = tmp_path / "r.json"
-    path.write_text(json.dumps([{"name": n, "avg": a, "tokens": 1e11, "preset": p, "variant": v}
+    path.write_text(json.dumps([{"name": n, "avg": a, "tokens": 1e11, "preset": p, "variant": v.split(":")[0],
+                                 **({"expert_ffn": int(v.split(":")[1])} if ":" in v else {})}
                                 for n, a, p, v, _ in rows]))
     out = training_roi(load_results(path))
     assert [round(r["roi_normalised"], 2) for r in out] == [roi for *_, roi in rows]

@@ -25,6 +25,7 @@ _ALIASES = {
     "preset": ("preset",),
     "variant": ("variant",),
     "ratio": ("ratio",),
+    "expert_ffn": ("expert_ffn", "expert_ffn_hidden_size"),
     "seq_length": ("seq_length", "seq_len"),
     "gflops_per_token": ("gflops_per_token", "gflops"),
     "flops_per_token": ("flops_per_token",),
@@ -97,6 +98,8 @@ def row_training_flops(row: dict, seq_length: int | None = None) -> tuple[float,
     variant = parse_variant(str(row.get("variant", "dense")))
     if "ratio" in row and variant.variant != "dense":
         variant = replace(variant, ratio=str(row["ratio"]))
+    if "expert_ffn" in row:
+        variant = replace(variant, expert_ffn_hidden_size=int(_number(row, "expert_ffn")))
     L = int(_number(row, "seq_length")) if "seq_length" in row else seq_length or arch.seq_length or \
         DEFAULT_SEQ_LENGTH
     per_token = training_flops(arch, L, variant)["total"] / L
