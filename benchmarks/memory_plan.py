@@ -1,8 +1,9 @@
 """A run's memory plan (``stem-flops --memory``) against what the run uses on this machine.
 
-Runs ``python -m torch.distributed.run --nproc_per_node N -m stem_megatron.train <overrides>`` for 2 steps
-(its own out_dir, no resume, no validation) on one node, polls every 50 ms and stops the run once step 2 is
-in ``metrics.jsonl`` (before its final checkpoint is written). Measured:
+Runs ``python -m torch.distributed.run --nproc_per_node N -m stem_megatron.train <overrides>`` (its own out_dir,
+no resume, no validation) on one node, polls every 50 ms and stops the run once step 2 is in ``metrics.jsonl``.
+The run is given a third step, so that it is inside step 3 then, never writing its final checkpoint (which
+stages copies of the model and tables: a poll after the log line could otherwise catch its start). Measured:
 - shared memory: the run's tmpfs files, read from the ranks' ``/proc/<pid>/maps`` (the files are unlinked once
   mapped; each counted once, by inode; fallocated, so their size is their memory); and, for reference, the peak
   of the directory's used bytes (``statvfs``) minus the value before launch, which other users of the
@@ -87,7 +88,7 @@ def measure(overrides: list[str], nproc: int, shm_dir: str) -> dict:
     """Peaks of a 2-step run: shared memory, each rank's RSS and own memory, the node, the ranks' summed Pss."""
     with tempfile.TemporaryDirectory() as out:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "-m",
-               "stem_megatron.train", *overrides, f"out_dir={out}", f"train.steps={STEPS}", "train.eval_iters=0",
+               "stem_megatron.train", *overrides, f"out_dir={out}", f"train.steps={STEPS + 1}", "train.eval_iters=0",
                "train.log_interval=1", "checkpoint.resume=false"]
         shm_before = _shm_used(shm_dir)
         agent = subprocess.Popen(cmd, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,

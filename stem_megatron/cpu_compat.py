@@ -14,7 +14,12 @@ attention. On a machine without a GPU we redirect exactly those calls to the CPU
   overlap device-to-host copies) become no-op stand-ins: CPU work is synchronous, and all stand-in
   streams compare equal, so megatron sees no side stream to synchronise with; the dispatcher's
   ``maybe_move_tensor_to_cpu`` (which only converts CUDA tensors) returns the split sizes as numpy
-  arrays on the CPU too, as ``all_to_all_single`` needs them.
+  arrays on the CPU too, as ``all_to_all_single`` needs them;
+* megatron DDP's bucket collectives with the distributed optimizer (the grad buffer's reduce-scatter, the
+  param buffer's all-gather) are identities on a one-rank data-parallel group, where the rank's shard is the
+  whole buffer: they are skipped there. gloo would run them through a flat staging copy of the whole bucket
+  (with ``overlap_grad_reduce`` off, one bucket holds every parameter): a transient P x 4 bytes twice a step,
+  the peak of a CPU process whose model dominates its memory (docs/memory.md). NCCL on GPU works in place.
 
 Checked against megatron-core 0.16.1 with torch 2.13.0+cpu. It is enabled by
 ``stem_megatron.parallel.initialize`` only when ``torch.cuda.is_available()`` is false (or when forced),
@@ -70,6 +75,21 @@ def _noop(*_args, **_kwargs) -> None:
     return None
 
 
+def _one_rank_identity(collective):
+    """``collective(output, input, ...)`` of megatron DDP's buckets, skipped on a one-rank group (the
+    output then holds the input: megatron passes the rank's shard, the whole buffer, as one of them)."""
+
+    def call(output, input, *args, group=None, async_op=False, **kwargs):
+        if torch.distributed.get_world_size(group) == 1:
+            if output.data_ptr() != input.data_ptr():
+                output.view(-1).copy_(input.view(-1))
+            return None
+        return collective(output, input, *args, group=group, async_op=async_op, **kwargs)
+
+    call.one_rank_identity = True
+    return call
+
+
 def _host_tensor(tensor, as_numpy: bool = False, record_stream: bool = False):
     return tensor.numpy() if as_numpy and torch.is_tensor(tensor) else tensor
 
@@ -108,6 +128,7 @@ def enable() -> None:
     if getattr(_state, "mode", None) is not None:
         return
     import megatron.core
+    from megatron.core.distributed import param_and_grad_buffer
     from megatron.core.tensor_parallel import random as mcore_random
     from megatron.core.transformer.moe import token_dispatcher
 
@@ -131,6 +152,10 @@ def enable() -> None:
     mcore_random._get_cuda_rng_state = _cpu_rng_state
     mcore_random._set_cuda_rng_state = _set_cpu_rng_state
     token_dispatcher.maybe_move_tensor_to_cpu = _host_tensor
+    for name in ("dist_all_gather_func", "dist_reduce_scatter_func"):
+        collective = getattr(param_and_grad_buffer, name)
+        if not getattr(collective, "one_rank_identity", False):
+            setattr(param_and_grad_buffer, name, _one_rank_identity(collective))
     _state.mode = _CudaToCpu()
     _state.mode.__enter__()
 

@@ -37,6 +37,20 @@ def _probe(queue):
         torch.rand(10)  # consumes the tracker's model-parallel stream, not the default one
     out["fork_restores_default_rng"] = torch.equal(torch.get_rng_state(), state)
     out["default_stream_continues"] = a.item() != torch.rand(1).item()
+    # megatron DDP's bucket collectives: identities on a one-rank group, run without gloo's staging copy
+    import os
+
+    import torch.distributed as dist
+    from megatron.core.distributed import param_and_grad_buffer as buffers
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29500 + os.getpid() % 20000))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    buf = torch.arange(8.0)
+    gathered = buffers.dist_all_gather_func(buf, buf[:], group=None, async_op=False)
+    into = torch.zeros(8)
+    buffers.dist_reduce_scatter_func(into, buf, group=None, async_op=False)
+    out["one_rank_identity"] = gathered is None and torch.equal(buf, torch.arange(8.0)) and torch.equal(into, buf)
+    dist.destroy_process_group()
     queue.put(out)
 
 
@@ -53,3 +67,4 @@ def test_cuda_calls_are_redirected_to_cpu():
     assert out["cuda_is_self"]
     assert out["type"] == "torch.cuda.FloatTensor" and out["type_cast"]
     assert out["fork_restores_default_rng"] and out["default_stream_continues"]
+    assert out["one_rank_identity"]

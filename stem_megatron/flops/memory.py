@@ -15,7 +15,8 @@ their fp32 gradient buffer (``grad_reduce_in_fp32``), megatron's Adam state (fp3
 moments; sharded over DP with the distributed optimizer), the hot-row cache, the compact rows of every
 micro-batch of a step and their gradients (kept until ``reduce_gradients``), and activations: an estimate of
 what autograd keeps for backward (no recomputation; flash attention on GPU, megatron's local attention with
-its s x s probabilities on CPU) for the micro-batches 1F1B keeps in flight.
+its s x s probabilities on CPU) for the micro-batches 1F1B keeps in flight. On CPU with DP > 1 and the
+distributed optimizer, gloo's flat staging copy of the DDP buffer its reduce-scatter and all-gather make.
 
 Distinct ids per micro-batch default to their bound, min(V, b*s); a run's metrics give the real figure
 (``stem_unique_tokens`` / micro-batches per step) for ``--distinct-ids``.
@@ -46,7 +47,8 @@ FFN_TERMS = {"dense": 5, "stem": 4, "stem_gate": 4, "stem_dagger": 4, "hash_moe"
 ACTIVATION_PEAK = 1.4
 DEVICE_PARTS = {
     "parameters": "parameters", "gradients": "gradients (fp32)", "optimizer": "Adam state",
-    "hot_row_cache": "hot-row cache", "step_rows": "STEM rows + grads of a step", "activations": "activations (est.)"}
+    "hot_row_cache": "hot-row cache", "step_rows": "STEM rows + grads of a step", "activations": "activations (est.)",
+    "gloo_staging": "gloo staging of a DDP buffer"}
 NODE_PARTS = {
     "tables": "U_l copies (every row)", "masters": "fp32 master rows (owned; bf16 copies)",
     "moments": "Adam moments (owned rows)", "process": "processes",
@@ -203,6 +205,9 @@ def plan(cfg: RunConfig, layout: Layout, distinct_ids: Optional[int] = None) -> 
             # every micro-batch's rows and gradients until the step's reduce, and its merge of one layer
             "step_rows": (2 * layers + 2 * bool(layers)) * micro * uniq * row,
             "activations": activation_bytes(cfg, layout, p, min(micro, layout.pp - p)),
+            # CPU: gloo's reduce-scatter of the grad buffer and all-gather of the param buffer (distributed
+            # optimizer, DP > 1; one bucket) stage a flat copy of the whole buffer; skipped at DP = 1 (cpu_compat)
+            "gloo_staging": params * FP32 * (not gpu and dp > 1 and par.use_distributed_optimizer),
         }
         stages.append({"stage": p, "stem_layers": [i + 1 for i in host_stem_layers(cfg, layout.pp, p)],
                        "parameters": params, "device": device, "device_total": sum(device.values())})
