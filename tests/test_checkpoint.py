@@ -215,6 +215,27 @@ def test_a_checkpoint_loads_under_another_layout_except_across_ep_1():
         manager._check_compatible(cfg, manifest, Path("ckpt"), {"world": 1, "tp": 1, "pp": 1, "ep": 1, "dp": 1})
 
 
+def test_a_setting_added_after_the_save_counts_as_its_default_and_a_changed_one_is_refused():
+    """A checkpoint from before ``stem.clip`` existed trained with today's default (global); a run with
+    separate clipping, or another STEM variant, does not continue it. ``stem.overlap_exchange`` changes no
+    result and is not compared."""
+    import dataclasses
+
+    from stem_megatron.checkpoint import manager
+    from stem_megatron.config import RunConfig, STEMConfig
+
+    layout = {"world": 1, "tp": 1, "pp": 1, "ep": 1, "dp": 1}
+    old = {**manager._identity(RunConfig()), "layout": layout}
+    del old["stem"]["clip"]
+    manager._check_compatible(RunConfig(stem=STEMConfig(overlap_exchange=False)), old, Path("ckpt"), layout)
+    for change in ({"clip": "separate"}, {"variant": "stem_gate"}):
+        cfg = RunConfig(stem=dataclasses.replace(STEMConfig(), **change))
+        key = next(iter(change))
+        with pytest.raises(CheckpointError, match=f"different stem config \\(stem.{key}: .*resume with the "
+                                                  f"checkpoint's settings"):
+            manager._check_compatible(cfg, old, Path("ckpt"), layout)
+
+
 def test_metrics_of_a_resumed_run_continue_and_a_fresh_run_starts_a_new_file(tmp_path):
     from stem_megatron.training.metrics_file import MetricsWriter
 

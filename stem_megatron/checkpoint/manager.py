@@ -20,7 +20,7 @@ from megatron.core import parallel_state
 
 from stem_megatron.checkpoint import atomic, dense, host_tables, train_state
 from stem_megatron.checkpoint.atomic import CheckpointError
-from stem_megatron.config import RunConfig
+from stem_megatron.config import ModelConfig, RunConfig, STEMConfig
 
 
 def root_dir(cfg: RunConfig) -> Path:
@@ -39,7 +39,7 @@ def _identity(cfg: RunConfig) -> dict:
     """What must match for a checkpoint to load: the model and which layers are STEM / where tables live."""
     return {"model": dataclasses.asdict(cfg.model),
             "stem": {k: v for k, v in dataclasses.asdict(cfg.stem).items()
-                     if k not in ("prefetch_depth", "cache_rows", "shm_dir")}}
+                     if k not in ("prefetch_depth", "cache_rows", "shm_dir", "overlap_exchange")}}
 
 
 def save(cfg: RunConfig, trainer, detector, step: int) -> Path:
@@ -110,13 +110,15 @@ def _check_compatible(cfg: RunConfig, manifest: dict, path: Path, layout: dict) 
     resharded) except across EP=1 and EP>1: megatron gives the experts an optimizer of their own only
     when EP > 1, and its state does not map onto the other structure."""
     want = _identity(cfg)
+    # a setting added after the checkpoint was saved: it trained with what is now the default
+    defaults = _identity(RunConfig(model=ModelConfig(), stem=STEMConfig()))
     for part in ("model", "stem"):
-        diff = sorted(k for k in set(want[part]) | set(manifest.get(part, {}))
-                      if want[part].get(k) != manifest.get(part, {}).get(k))
+        saved = {**defaults[part], **manifest.get(part, {})}
+        diff = sorted(k for k in set(want[part]) | set(saved) if want[part].get(k) != saved.get(k))
         if diff:
             raise CheckpointError(
                 f"{path} was saved with a different {part} config ({', '.join(f'{part}.{k}' for k in diff)}: "
-                f"checkpoint {[manifest.get(part, {}).get(k) for k in diff]} vs this run "
+                f"checkpoint {[saved.get(k) for k in diff]} vs this run "
                 f"{[want[part].get(k) for k in diff]}); resume with the checkpoint's settings")
     saved, now = manifest["layout"]["ep"], layout["ep"]
     if (saved > 1) != (now > 1):
