@@ -211,7 +211,8 @@ def test_dashboard_spec_builds_offline_and_reads_logged_metrics(offline_run):
         if r["type"] == "history":
             logged |= {k.split(".")[0] for k in r["history"]["item"]}
     loop_fields = {"tflops_per_s_per_device", "mfu", "stem_prefetch_wait_s", "stem_node_bytes_sent",
-                   "stem_node_bytes_received", "stem_node_rows_updated", "stem_exchange_s", "stem_exchange_wait_s"}
+                   "stem_node_bytes_received", "stem_node_rows_updated", "stem_exchange_s", "stem_exchange_wait_s",
+                   "dense_grad_norm", "stem_grad_norm"}
     assert dash.panel_metrics(dash.DASHBOARD) <= logged | loop_fields
     # the grouping keys exist in the logged config
     assert {"variant", "ratio"} <= set(offline_run["summary"]["config"]["stem"])

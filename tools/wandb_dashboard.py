@@ -45,7 +45,8 @@ DASHBOARD: dict[str, Any] = {
             "heading": "Optimisation",
             "text": "Gradient norm before clipping (log scale) and the learning-rate schedule.",
             "panels": [
-                {"type": "line", "title": "gradient norm", "y": ["grad_norm"], "log_y": True},
+                {"type": "line", "title": "gradient norm (all; host tables: dense and STEM parts)",
+                 "y": ["grad_norm", "dense_grad_norm", "stem_grad_norm"], "log_y": True},
                 {"type": "line", "title": "learning rate", "y": ["lr"]},
             ],
         },
