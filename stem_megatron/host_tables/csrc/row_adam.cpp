@@ -9,9 +9,24 @@
 
 namespace {
 
+// Leading floats (1 KB) of a row's params and moments fetched ahead: enough for the hardware prefetcher to
+// take over the rest of the row. A row starts where the previous touched row did not end, so without
+// this every row begins with misses in three streams: one thread, 7000 random rows of 2560 took ~2x the
+// time of 7000 contiguous rows, ~1.5x with it (more lines, two rows ahead or the whole row: no better).
+constexpr int64_t kPrefetchFloats = 256;
+
+inline void prefetch_row(const float* p, const float* m, const float* v, int64_t cols)
+{
+    for (int64_t at = 0; at < std::min(cols, kPrefetchFloats); at += 64 / sizeof(float)) {
+        __builtin_prefetch(p + at, 0, 2);  // to L2: the row is reached after the current one
+        __builtin_prefetch(m + at, 0, 2);
+        __builtin_prefetch(v + at, 0, 2);
+    }
+}
+
 // AdamW on rows ids[r] of params/exp_avg/exp_avg_sq with grads[r]: the same per-element math as
 // ds_adam_step over those rows, without gathering them. Rows are spread over OpenMP threads; each row
-// runs DeepSpeed's Step_8 serially (parallel = false).
+// runs DeepSpeed's Step_8 serially (parallel = false) while the next row's start is prefetched.
 int row_adam_step(int optimizer_id,
                   size_t step,
                   float lr,
@@ -56,6 +71,10 @@ int row_adam_step(int optimizer_id,
 #pragma omp parallel for schedule(static)
     for (int64_t r = 0; r < n; r++) {
         const int64_t at = id[r] * cols;
+        if (r + 1 < n) {
+            const int64_t next = id[r + 1] * cols;
+            prefetch_row(p + next, m + next, v + next, cols);
+        }
         opt->Step_8(p + at, g + r * cols, m + at, v + at, cols, false);
     }
     return 0;
