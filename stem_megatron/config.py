@@ -51,6 +51,9 @@ class STEMConfig:
     table_init_std: Optional[float] = None  # overrides the std of either table_init
     placement: str = "host"  # host: node-shared host memory + prefetch + CPU Adam | device: a parameter
     optimizer: str = "lazy"  # host tables: lazy (touched rows) | dense (every row, the paper's AdamW)
+    # gradient clipping to train.clip_grad (docs/recipes.md): global: one norm over the dense and STEM table
+    # grads together | separate: dense grads by their own norm, the tables' by theirs (the released code)
+    clip: str = "global"
     prefetch_depth: int = 2  # micro-batches fetched ahead (bounded queue)
     cache_rows: int = 0  # hot rows per table kept on the compute device (0: no cache)
     shm_dir: str = "/dev/shm"  # host tables: the node's shared-memory (tmpfs) directory they are mapped from
@@ -248,6 +251,11 @@ def validate_layout(cfg: RunConfig, world_size: int) -> int:
     _check(s.ratio in RATIOS, "stem.ratio", f"{s.ratio!r} is not one of {sorted(RATIOS)}")
     _check(s.placement in ("host", "device"), "stem.placement", f"{s.placement!r} is not 'host' or 'device'")
     _check(s.optimizer in ("lazy", "dense"), "stem.optimizer", f"{s.optimizer!r} is not 'lazy' or 'dense'")
+    _check(s.clip in ("global", "separate"), "stem.clip",
+           f"{s.clip!r} is not 'global' or 'separate' (docs/recipes.md)")
+    _check(s.clip == "global" or s.placement == "host" or s.variant in ("dense", "hash_moe"), "stem.clip",
+           "separate clipping needs stem.placement=host: on the device the tables are parameters of megatron's "
+           "optimizer, which clips all its parameters by one norm; set stem.placement=host or stem.clip=global")
     _check(s.wire_dtype in ("fp32", "bf16"), "stem.wire_dtype", f"{s.wire_dtype!r} is not 'fp32' or 'bf16'")
     _check(s.read_dtype in ("fp32", "bf16"), "stem.read_dtype", f"{s.read_dtype!r} is not 'fp32' or 'bf16'")
     _check(s.table_init in ("scaled", "xavier"), "stem.table_init",

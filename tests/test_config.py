@@ -32,6 +32,7 @@ BAD = [
     ("stem.layers", dict(stem=STEMConfig(layers=[1, 4])), 1, {}),
     ("stem.table_init", dict(stem=STEMConfig(table_init="normal")), 1, {}),
     ("stem.table_init_std", dict(stem=STEMConfig(table_init_std=0.0)), 1, {}),
+    ("stem.clip", dict(stem=STEMConfig(clip="per_layer")), 1, {}),
     ("parallel", dict(), 3, dict(tensor_model_parallel_size=2)),
     ("train.global_batch_size", dict(), 2, {}),
 ]
@@ -48,6 +49,14 @@ def test_bad_config_names_the_field(field, parts, world, par, monkeypatch):
     with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
         run(cfg)  # the entry point validates first ...
     assert not dist.is_initialized()  # ... so no process group was started
+
+
+def test_separate_clip_needs_host_tables():
+    """megatron's optimizer clips the on-device tables with every other parameter by one norm."""
+    with pytest.raises(ConfigError, match=r"stem\.clip: .*set stem\.placement=host or stem\.clip=global"):
+        validate(_cfg(stem=STEMConfig(placement="device", clip="separate")), 1)
+    assert validate(_cfg(stem=STEMConfig(placement="host", clip="separate")), 1) == 1
+    assert validate(_cfg(stem=STEMConfig(variant="dense", placement="device", clip="separate")), 1) == 1  # no tables
 
 
 def test_good_config_returns_dp_size():

@@ -30,6 +30,7 @@ class Trainer:
     optimizer: MegatronOptimizer
     scheduler: OptimizerParamScheduler
     store: Optional[HostTableStore]
+    stem_clip: str = "global"  # stem.clip: the host tables clipped with the dense grads or by their own norm
 
 
 def setup_model(cfg: RunConfig) -> Trainer:
@@ -55,4 +56,4 @@ def setup_model(cfg: RunConfig) -> Trainer:
     tconfig.finalize_model_grads_func = finalize_model_grads
     tconfig.grad_scale_func = optimizer.scale_loss
     tconfig.no_sync_func = model.no_sync
-    return Trainer(model, optimizer, scheduler, store)
+    return Trainer(model, optimizer, scheduler, store, cfg.stem.clip)

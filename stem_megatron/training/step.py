@@ -89,31 +89,39 @@ def train_step(trainer, data_iterator, num_micro_batches, micro_batch_size, seq_
         trainer.store.begin_step(num_micro_batches)
     loss = forward_backward(model, data_iterator, num_micro_batches, micro_batch_size, seq_length, vocab_size)
     lr = optimizer.param_groups[0]["lr"]
+    norms = {}
     if trainer.store is None:
         ok, grad_norm, _ = optimizer.step()
     else:
-        ok, grad_norm = _step_with_host_tables(optimizer, trainer.store, lr, data_iterator)
+        ok, grad_norm, norms = _step_with_host_tables(optimizer, trainer.store, lr, data_iterator,
+                                                      separate=trainer.stem_clip == "separate")
     trainer.scheduler.step(increment=1)
-    return {"loss": loss, "grad_norm": float(grad_norm) if grad_norm is not None else None, "lr": lr,
+    return {"loss": loss, "grad_norm": float(grad_norm) if grad_norm is not None else None, **norms, "lr": lr,
             "update_skipped": not ok}
 
 
-def _step_with_host_tables(optimizer, store, lr: float, prefetcher) -> tuple[bool, float]:
-    """megatron's optimizer step split open (as its ChainedOptimizer does) so the global grad norm
-    and clipping cover the dense grads and the host STEM grads together; then CPU Adam on the rows, and
-    the rows of the next step (``prefetcher.next_ids``) made current before the prefetcher reads them."""
+def _step_with_host_tables(optimizer, store, lr: float, prefetcher, separate: bool = False
+                           ) -> tuple[bool, float, dict]:
+    """megatron's optimizer step split open (as its ChainedOptimizer does) so the clipping covers the host
+    STEM grads too: ``stem.clip=global`` clips the dense grads and the STEM grads by their joint norm,
+    ``separate`` each by its own norm (as the released code, docs/recipes.md); both to ``train.clip_grad``.
+    Then CPU Adam on the rows, and the rows of the next step (``prefetcher.next_ids``) made current before
+    the prefetcher reads them. Returns the joint norm and both parts' norms (before clipping)."""
     if optimizer.prepare_grads():
         raise FloatingPointError("non-finite gradients in the dense parameters")
     dense_norm = float(optimizer.get_grad_norm())
-    grad_norm = math.sqrt(dense_norm**2 + float(store.reduce_gradients()))
+    stem_sq = float(store.reduce_gradients())
+    grad_norm = math.sqrt(dense_norm**2 + stem_sq)
+    stem_norm = math.sqrt(stem_sq)
     clip = optimizer.config.clip_grad
     if clip > 0.0:
+        dense_by, stem_by = (dense_norm, stem_norm) if separate else (grad_norm, grad_norm)
         for part in getattr(optimizer, "chained_optimizers", [optimizer]):
-            clip_grad_by_total_norm_fp32(part.get_parameters(), clip, grad_norm)
-        coef = clip / (grad_norm + 1.0e-6)  # megatron's clip coefficient
+            clip_grad_by_total_norm_fp32(part.get_parameters(), clip, dense_by)
+        coef = clip / (stem_by + 1.0e-6)  # megatron's clip coefficient
         if coef < 1.0:
             store.scale_gradients(coef)
     ok = optimizer.step_with_ready_grads()
     store.step(lr, prefetcher.next_ids())
     prefetcher.release()
-    return ok, grad_norm
+    return ok, grad_norm, {"dense_grad_norm": dense_norm, "stem_grad_norm": stem_norm}
