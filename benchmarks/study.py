@@ -70,11 +70,12 @@ def last_step(run_dir: Path) -> int:
 def job_errors(folder: Path, timeout_s: float = 600) -> dict[str, str]:
     """``{run dir: traceback}`` of the failed jobs of one sweep, after waiting for all its jobs to end (the
     launcher returns at the first failure while the other jobs still run)."""
+    jobs = [job for job in folder.iterdir() if list(job.glob("*_submitted.pkl"))]  # not the launcher's "%j"
     deadline = time.time() + timeout_s
-    while time.time() < deadline and any(not list(job.glob("*_result.pkl")) for job in folder.iterdir()):
+    while time.time() < deadline and any(not list(job.glob("*_result.pkl")) for job in jobs):
         time.sleep(2)
     errors = {}
-    for job in folder.iterdir():
+    for job in jobs:
         out = "".join(p.read_text(errors="replace") for p in job.glob("*_log.out"))
         run = next((line.split(": ", 1)[1].strip() for line in out.splitlines()
                     if line.startswith("run directory: ")), None)
@@ -151,7 +152,7 @@ def parse_args(argv=None):
     p.add_argument("--ablation-seeds", nargs="+", type=int, default=[1, 2])
     p.add_argument("--stress-seeds", nargs="+", type=int, default=[1, 2, 3])
     p.add_argument("--steps", type=int, default=600, help="global batches of 16 x 128 tokens per run")
-    p.add_argument("--stress-steps", type=int, default=None, help="steps of a stress run (default: --steps)")
+    p.add_argument("--stress-steps", type=int, default=300, help="steps of a stress run")
     p.add_argument("--stress-lr", type=float, default=3e-2, help="peak lr of the stress arm (recipe: 3e-3)")
     p.add_argument("--eval-iters", type=int, default=4, help="validation global batches per evaluation")
     p.add_argument("--valid-windows", type=int, default=200, help="held-out windows scored on the export")
@@ -175,7 +176,6 @@ def parse_args(argv=None):
         p.error(f"{args.data_dir}/tokenizer.json is missing: run `bash tools/setup.sh` first (it builds the corpus)")
     name = f"facts-{args.subjects}x{args.answers}x{args.repeats}"
     args.facts_prefix = ((args.facts_dir or args.data_dir) / name).resolve()
-    args.stress_steps = args.stress_steps or args.steps
     return args
 
 
