@@ -445,8 +445,8 @@ def ablation_section(ablation: dict[str, list[dict]]) -> str:
             continue
         a, b = summary(by[levels[1]]), summary(by[levels[0]])
         side = compare(a, b)
-        word = {"lower": "**lower** (separated: better)", "higher": "**higher** (separated: worse)",
-                "within": "**within spread** of", "single": "one run each, no verdict on"}[side]
+        word = {"lower": "**lower** than (separated: better than)", "higher": "**higher** than (separated: worse than)",
+                "within": "**within the spread** of", "single": "one run each, no verdict against"}[side]
         lines.append(f"- `{key}={levels[1]}` vs `{levels[0]}` (the default), final validation loss over "
                      f"{len(a['values'])} vs {len(b['values'])} runs: {_fmt(a, 4)} vs {_fmt(b, 4)}: {word} "
                      "the default.")

@@ -184,8 +184,8 @@ def test_report_tables_from_fabricated_runs(tmp_path):
     rows = [line for line in text.splitlines() if line.startswith("| scaled") or line.startswith("| xavier")]
     assert len(rows) == 8 and rows[0].startswith("| scaled / global / lazy (defaults) | 4.5150 [4.5100, 4.5200]")
     lines = {k: next(line for line in text.splitlines() if line.startswith(f"- `{k}=")) for k in ABLATION}
-    assert "**higher** (separated: worse)" in lines["stem.table_init"]
-    assert "**within spread** of" in lines["stem.clip"] and "8 vs 8 runs" in lines["stem.optimizer"]
+    assert "**higher** than (separated: worse than) the default" in lines["stem.table_init"]
+    assert "**within the spread** of the default" in lines["stem.clip"] and "8 vs 8 runs" in lines["stem.optimizer"]
     assert "| Hash-MoE-1/3 | 1 | 3 | [10, 25, 30] | 10.500 | 6.000 | no |" in text
     assert "| dense | 2 | 1 | [20] | 10.000 | 6.000 | yes: FloatingPointError: non-finite" in text
     assert "spikes per run dense [1, 1] (1 diverged), STEM-1/3 [0, 0], Hash-MoE-1/3 [3, 3] — **agrees**" in text
