@@ -1,24 +1,28 @@
-"""Small-scale reproduction study: dense vs STEM variants vs Hash-MoE at equal tokens (one command).
+"""Reproduction study v2 (one command): three arms of Hydra sweeps, each run scored, docs/results.md written.
 
-Every variant trains the same tiny model (``model=tiny``) on the same tokens with the same seeds: the
-real python-doc corpus blended with synthetic facts ("The capital of X is Y.",
-``stem_megatron.data.facts``), one process per run, ``--jobs`` runs side by side (one core each, so
-wall times are comparable across variants of one study, not with other machines). Each run trains
-through ``python -m stem_megatron.train`` (validation loss every ``steps/10`` steps, the loss-spike
-detector, an export at the end), then ``benchmarks/study_eval.py`` scores its export (held-out
-accuracy, fact recall, edit success, parameters, FLOPs), and ``benchmarks/study_report.py`` writes
-docs/results.md and its plots from everything the runs wrote.
+* main: dense, STEM-1/3, 1/2, full, STEM†, STEM-gate and Hash-MoE-1/3 (``-m variant=... train.seed=...``);
+* ablation: STEM-1/3 with ``stem.table_init=scaled,xavier stem.clip=global,separate stem.optimizer=lazy,dense``;
+* stress: dense, STEM-1/3 and Hash-MoE at ``--stress-lr`` (several times the recipe's peak), counting loss spikes.
 
-A run whose ``eval.json`` exists for the same settings is not repeated, so an interrupted study
-continues where it stopped; ``--fresh`` retrains everything.
+Every run is a job of ``python -m stem_megatron.train -m hydra/launcher=submitit_local ...`` (the sweep commands
+are in benchmarks/study_arms.py and in the report), on the tiny model (``model=tiny``, one process, one torch
+thread) with the same tokens: the python-doc corpus blended with synthetic facts ("The capital of X is Y.",
+``stem_megatron.data.facts``). Each run writes metrics.jsonl and an offline W&B run (group ``study-<arm>``).
+``benchmarks/study_eval.py`` scores the exports of the main and ablation runs (held-out accuracy, fact recall,
+edit success, FLOPs) and ``benchmarks/study_report.py`` writes docs/results.md and its plots.
 
-Run (after ``bash tools/setup.sh``): ``.venv/bin/python benchmarks/study.py``  (about an hour here).
+A run whose ``study.json`` matches its command is not repeated, so an interrupted study continues where it
+stopped; ``--fresh`` retrains everything. A stress run that dies of non-finite values is kept as diverged.
+
+Run (after ``bash tools/setup.sh``): ``.venv/bin/python benchmarks/study.py``  (about 3 hours here: see
+the report's "How to run").
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import pickle
 import shutil
 import subprocess
 import sys
@@ -29,66 +33,130 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from study_report import VARIANTS, write_report  # noqa: E402
+from study_arms import VARIANTS, Arm, arms, chunks, sweep_command  # noqa: E402
+from study_report import write_report  # noqa: E402
 
 from stem_megatron.data.facts import build_facts  # noqa: E402
 from stem_megatron.parallel import child_env  # noqa: E402
 
-
-def train_command(variant: str, seed: int, args, run_dir: Path) -> list[str]:
-    """The training job of one run: Hydra overrides of the default recipe, one process, no TP."""
-    return [
-        sys.executable, "-m", "stem_megatron.train", "parallel=single", f"variant={variant}", f"out_dir={run_dir}",
-        f"train.seed={seed}", f"train.steps={args.steps}", f"train.eval_interval={max(1, args.steps // 10)}",
-        f"train.eval_iters={args.eval_iters}", f"data.dir={args.data_dir}",
-        f"data.blend=[[{100 - args.facts_share},train],[{args.facts_share},'{args.facts_prefix}']]",
-        "checkpoint.resume=false", f"checkpoint.dir={run_dir / 'checkpoints'}",
-        f"checkpoint.export={run_dir / 'export'}",
-        *args.override,
-    ]
+DIVERGED = ("non-finite", "FloatingPointError")  # how a run that diverged ends (training/step.py)
 
 
-def run_one(variant: str, seed: int, args) -> dict:
-    """Train and score one (variant, seed) unless an identical run already finished; returns its eval."""
-    run_dir = args.out / variant / f"seed{seed}"
-    command = train_command(variant, seed, args, run_dir)
-    identity = {"command": command[1:], "facts": str(args.facts_prefix)}
-    done = run_dir / "eval.json"
-    if not args.fresh and done.exists() and (run_dir / "study.json").exists() and \
-            json.loads((run_dir / "study.json").read_text()) == identity:
-        print(f"[{variant} seed {seed}] done earlier: {done}", flush=True)
-        return json.loads(done.read_text())
-    if run_dir.exists():
-        shutil.rmtree(run_dir)
-    run_dir.mkdir(parents=True)
-    env = child_env(OMP_NUM_THREADS=str(args.threads), MKL_NUM_THREADS=str(args.threads))
-    start = time.time()
-    print(f"[{variant} seed {seed}] training {args.steps} steps -> {run_dir}", flush=True)
-    for name, cmd in (("train", command), ("eval", [sys.executable, str(ROOT / "benchmarks" / "study_eval.py"),
-                                                      str(run_dir), "--facts", str(args.facts_prefix),
-                                                      "--valid-windows", str(args.valid_windows)])):
-        with open(run_dir / f"{name}.log", "w") as log:
-            proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
-        if proc.returncode != 0:
-            tail = (run_dir / f"{name}.log").read_text()[-3000:]
-            raise RuntimeError(f"[{variant} seed {seed}] {name} failed (exit {proc.returncode}); "
-                               f"log {run_dir / f'{name}.log'} ends:\n{tail}")
-    (run_dir / "study.json").write_text(json.dumps(identity, indent=1))
-    shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)  # the export is what the report reads
-    result = json.loads(done.read_text())
-    print(f"[{variant} seed {seed}] {time.time() - start:.0f} s: valid_nll {result['valid_nll']:.4f} "
-          f"fact_recall {result['fact_recall']:.3f}", flush=True)
-    return result
+def common_overrides(args) -> list[str]:
+    """Overrides every run of every arm shares."""
+    return ["parallel=single", f"train.eval_iters={args.eval_iters}", f"data.dir={args.data_dir}",
+            f"data.blend=[[{100 - args.facts_share},train],[{args.facts_share},'{args.facts_prefix}']]",
+            "checkpoint.resume=false", *args.override]
+
+
+def identity(arm: Arm, point: dict, args) -> dict:
+    """What decides a run: its one-point sweep command without the launcher's settings."""
+    command = sweep_command(arm, [point], "<dir>", common_overrides(args))
+    return {"overrides": [c for c in command[4:] if not c.startswith("hydra")], "facts": str(args.facts_prefix)}
+
+
+def finished(arm: Arm, point: dict, args) -> bool:
+    path = args.out / arm.name / arm.run_name(point) / "study.json"
+    return path.is_file() and {k: v for k, v in json.loads(path.read_text()).items()
+                               if k in ("overrides", "facts")} == identity(arm, point, args)
+
+
+def last_step(run_dir: Path) -> int:
+    path = run_dir / "metrics.jsonl"
+    lines = path.read_text().splitlines() if path.is_file() else []
+    return json.loads(lines[-1])["step"] if lines else 0
+
+
+def job_errors(folder: Path, timeout_s: float = 600) -> dict[str, str]:
+    """``{run dir: traceback}`` of the failed jobs of one sweep, after waiting for all its jobs to end (the
+    launcher returns at the first failure while the other jobs still run)."""
+    jobs = [job for job in folder.iterdir() if list(job.glob("*_submitted.pkl"))]  # not the launcher's "%j"
+    deadline = time.time() + timeout_s
+    while time.time() < deadline and any(not list(job.glob("*_result.pkl")) for job in jobs):
+        time.sleep(2)
+    errors = {}
+    for job in jobs:
+        out = "".join(p.read_text(errors="replace") for p in job.glob("*_log.out"))
+        run = next((line.split(": ", 1)[1].strip() for line in out.splitlines()
+                    if line.startswith("run directory: ")), None)
+        for result in job.glob("*_result.pkl"):
+            outcome, value = pickle.loads(result.read_bytes())
+            if outcome == "error" and run:
+                errors[str(Path(run).resolve())] = str(value)
+    return errors
+
+
+def score(run_dir: Path, args, env: dict) -> None:
+    with open(run_dir / "eval.log", "w") as log:
+        proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "study_eval.py"), str(run_dir),
+                               "--facts", str(args.facts_prefix), "--valid-windows", str(args.valid_windows)],
+                              cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    if proc.returncode != 0:
+        raise RuntimeError(f"scoring {run_dir} failed (exit {proc.returncode}); log {run_dir / 'eval.log'} ends:\n"
+                           + (run_dir / "eval.log").read_text()[-3000:])
+
+
+def run_sweep(arm: Arm, points: list[dict], args, env: dict, number: int) -> None:
+    """One sweep of ``points`` side by side; each run is then scored and marked done (or diverged)."""
+    arm_dir = (args.out / arm.name).resolve()
+    names = [arm.run_name(p) for p in points]
+    folder = arm_dir / ".submitit" / f"sweep{number}"
+    shutil.rmtree(folder, ignore_errors=True)
+    command = sweep_command(arm, points, arm_dir, common_overrides(args))
+    command[command.index(f"hydra.launcher.submitit_folder={arm_dir}/.submitit/%j")] = \
+        f"hydra.launcher.submitit_folder={folder}/%j"
+    print(f"[{arm.name}] {', '.join(names)}: {arm.steps} steps", flush=True)
+    (arm_dir / "sweeps").mkdir(parents=True, exist_ok=True)
+    log_path = arm_dir / "sweeps" / f"sweep{number}.log"
+    with open(log_path, "w") as log:
+        log.write(" ".join(command) + "\n")
+        log.flush()
+        ok = subprocess.run(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT).returncode == 0
+    errors = {} if ok else job_errors(folder)
+    done = []
+    for point, name in zip(points, names):
+        run_dir = arm_dir / name
+        status = {**identity(arm, point, args), "status": "finished"}
+        if last_step(run_dir) < arm.steps or (arm.scored and not (run_dir / "export").is_dir()):
+            error = errors.get(str(run_dir.resolve()), "")
+            if arm.scored or not any(word in error for word in DIVERGED):
+                raise RuntimeError(f"[{arm.name}] {name} did not finish; sweep log {log_path}, "
+                                   f"job error:\n{error[-3000:] or log_path.read_text()[-3000:]}")
+            status.update(status="diverged", error=error.strip().splitlines()[-1], steps_run=last_step(run_dir))
+        done.append((run_dir, status))
+    if arm.scored:
+        with ThreadPoolExecutor(len(done)) as pool:
+            for future in [pool.submit(score, run_dir, args, env) for run_dir, _ in done]:
+                future.result()
+    for run_dir, status in done:
+        (run_dir / "study.json").write_text(json.dumps(status, indent=1))
+        shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)  # the export is what the scores read
+        print(f"[{arm.name}] {run_dir.relative_to(arm_dir)}: {status['status']}", flush=True)
+
+
+def run_arm(arm: Arm, args, env: dict) -> None:
+    pending = [p for p in arm.points() if args.fresh or not finished(arm, p, args)]
+    if len(pending) < len(arm.points()):
+        print(f"[{arm.name}] {len(arm.points()) - len(pending)} runs done earlier", flush=True)
+    for point in pending:
+        shutil.rmtree(args.out / arm.name / arm.run_name(point), ignore_errors=True)
+    for number, points in enumerate(chunks(pending, args.jobs)):
+        run_sweep(arm, points, args, env, number)
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
-    p.add_argument("--seeds", nargs="+", type=int, default=[1, 2])
-    p.add_argument("--steps", type=int, default=400, help="global batches of 16 x 128 tokens per run")
+    p.add_argument("--arms", nargs="+", default=["main", "ablation", "stress"], choices=["main", "ablation", "stress"])
+    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS), help="main arm")
+    p.add_argument("--seeds", nargs="+", type=int, default=[1, 2, 3], help="main arm")
+    p.add_argument("--ablation-seeds", nargs="+", type=int, default=[1, 2])
+    p.add_argument("--stress-seeds", nargs="+", type=int, default=[1, 2, 3])
+    p.add_argument("--steps", type=int, default=600, help="global batches of 16 x 128 tokens per run")
+    p.add_argument("--stress-steps", type=int, default=300, help="steps of a stress run")
+    p.add_argument("--stress-lr", type=float, default=3e-2, help="peak lr of the stress arm (recipe: 3e-3)")
     p.add_argument("--eval-iters", type=int, default=4, help="validation global batches per evaluation")
     p.add_argument("--valid-windows", type=int, default=200, help="held-out windows scored on the export")
-    p.add_argument("--jobs", type=int, default=2, help="runs side by side")
+    p.add_argument("--jobs", type=int, default=2, help="runs side by side (jobs per sweep)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per run")
     p.add_argument("--data-dir", type=Path, default=Path("data_cache/python-doc"))
     p.add_argument("--facts-share", type=int, default=30, help="percent of training samples drawn from the facts")
@@ -118,16 +186,26 @@ def main(argv=None) -> None:
                             args.repeats)
         print(f"built {args.facts_prefix}: {stats['subjects']} facts, {stats['tokens']:,} tokens", flush=True)
     start = time.time()
-    runs = [(v, s) for s in args.seeds for v in args.variants]
-    with ThreadPoolExecutor(args.jobs) as pool:
-        for future in [pool.submit(run_one, v, s, args) for v, s in runs]:
-            future.result()
-    study = {"variants": args.variants, "seeds": args.seeds, "steps": args.steps, "jobs": args.jobs,
+    env = child_env(OMP_NUM_THREADS=str(args.threads), MKL_NUM_THREADS=str(args.threads),
+                    PYTHONPATH=str(ROOT), HYDRA_FULL_ERROR="1")
+    study_arms = arms(args.variants, args.seeds, args.ablation_seeds, args.stress_seeds, args.steps,
+                      args.stress_steps, args.stress_lr, args.arms)
+    for arm in study_arms:
+        run_arm(arm, args, env)
+    study = {"arms": {arm.name: {"swept": arm.swept, "fixed": arm.fixed, "steps": arm.steps,
+                                 "runs": [arm.run_name(p) for p in arm.points()],
+                                 "command": " ".join(["python", *sweep_command(arm, arm.points(), args.out / arm.name,
+                                                                               common_overrides(args))[1:]])}
+                      for arm in study_arms},
+             "variants": args.variants, "seeds": args.seeds, "steps": args.steps, "jobs": args.jobs,
              "threads": args.threads, "facts_share": args.facts_share, "subjects": args.subjects,
              "answers": args.answers, "repeats": args.repeats, "overrides": args.override,
-             "wall_s": time.time() - start,
+             "stress_lr": args.stress_lr, "wall_s": time.time() - start,
              "command": " ".join(["python", "benchmarks/study.py", *(argv if argv is not None else sys.argv[1:])])}
     (args.out / "settings.json").write_text(json.dumps(study, indent=1))
+    if "main" not in args.arms:
+        print("no report: it needs the main arm (its setup and the paper's claims)", flush=True)
+        return
     write_report(args.out, args.report, study)
     print(f"wrote {args.report} ({time.time() - start:.0f} s)", flush=True)
 

@@ -1,6 +1,6 @@
 """docs/results.md and its plots from a study's run directories (``benchmarks/study.py`` calls this).
 
-Reads ``<out>/<variant>/seed<s>/{metrics.jsonl,eval.json}``; every figure in the report is computed
+Reads ``<out>/<arm>/<setting>/seed<s>/{metrics.jsonl,eval.json,study.json}``; every figure in the report is computed
 here from those files. With few seeds a difference is called *separated* only when every seed of one
 variant is on the same side of every seed of the other (min/max do not overlap); otherwise it is
 *within seed spread*, and the report says so rather than declaring a winner.
@@ -24,45 +24,51 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from study_arms import ABLATION, VARIANTS  # noqa: E402
 
 from stem_megatron.layer_plan import stem_layer_indices  # noqa: E402
 
-# recipes/variant name -> label used in the paper's Table 3
-VARIANTS = {"dense": "dense", "stem_1_3": "STEM-1/3", "stem_1_2": "STEM-1/2", "stem_full": "STEM-full",
-            "stem_dagger": "STEM†", "stem_gate": "STEM-gate", "hash_moe": "Hash-MoE-1/3"}
+BASE_LR = 3e-3  # recipes/train.yaml's train.lr, the stress arm's reference
 WARMUP_STEPS = 5  # first steps (graph warm-up, first prefetches) left out of the wall time per token
 # Spikes are counted after the first tenth of a run: while the loss falls from ~8 to ~5 the detector's
 # baseline lags and flags the batches whose blend composition is hardest (the report lists those steps).
 
 
 # ------------------------------------------------------------------------------------------ loading
-def load_runs(out: Path, variants: Sequence[str], seeds: Sequence[int]) -> dict[str, list[dict]]:
-    """``{variant: [run, ...]}``, a run being its eval.json plus curves from metrics.jsonl."""
+def load_run(run_dir: Path) -> dict:
+    """A run's scores (eval.json, if scored), status (study.json) and curves (metrics.jsonl)."""
+    for name in ("study.json", "metrics.jsonl", "config.json"):
+        if not (run_dir / name).is_file():
+            raise FileNotFoundError(f"{run_dir / name} is missing: run benchmarks/study.py to finish this run")
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
+    ev = json.loads((run_dir / "eval.json").read_text()) if (run_dir / "eval.json").is_file() else {}
+    config = json.loads((run_dir / "config.json").read_text())
+    valid = [r for r in records if "valid_loss" in r]
+    timed = [r for r in records if r["step"] > WARMUP_STEPS] or records
+    tokens_per_step = config["train"]["global_batch_size"] * config["model"]["seq_length"]
+    spike_steps = [r["step"] for r in records if r.get("loss_spike")]
+    burn_in = config["train"]["steps"] // 10
+    later = [r["loss"] for r in records if r["step"] > burn_in]
+    status = json.loads((run_dir / "study.json").read_text())
+    return {
+        **ev, "config": config, "status": status["status"], "error": status.get("error"),
+        "steps": [r["step"] for r in records], "loss": [r["loss"] for r in records],
+        "spike_steps": spike_steps,
+        "valid_tokens_seen": [r["tokens"] for r in valid], "valid_loss": [r["valid_loss"] for r in valid],
+        "final_valid_loss": valid[-1]["valid_loss"] if valid else None,
+        "spikes": sum(step > burn_in for step in spike_steps),
+        "early_spikes": [step for step in spike_steps if step <= burn_in],
+        "max_loss": max(later) if later else None, "final_loss": records[-1]["loss"] if records else None,
+        "s_per_mtok": 1e6 * sum(r["step_time_s"] for r in timed) / (len(timed) * tokens_per_step) if timed else None,
+    }
+
+
+def load_arm(out: Path, arm: dict) -> dict[str, list[dict]]:
+    """``{setting: [run per seed]}`` of one arm (``settings.json``'s entry), settings in sweep order."""
     runs: dict[str, list[dict]] = {}
-    for variant in variants:
-        for seed in seeds:
-            run_dir = out / variant / f"seed{seed}"
-            for name in ("eval.json", "metrics.jsonl"):
-                if not (run_dir / name).is_file():
-                    raise FileNotFoundError(f"{run_dir / name} is missing: run benchmarks/study.py to finish this run")
-            records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
-            ev = json.loads((run_dir / "eval.json").read_text())
-            config = json.loads((run_dir / "config.json").read_text())
-            valid = [r for r in records if "valid_loss" in r]
-            timed = [r for r in records if r["step"] > WARMUP_STEPS] or records
-            tokens_per_step = config["train"]["global_batch_size"] * config["model"]["seq_length"]
-            spike_steps = [r["step"] for r in records if r.get("loss_spike")]
-            burn_in = len(records) // 10
-            runs.setdefault(variant, []).append({
-                **ev, "seed": seed, "config": config,
-                "steps": [r["step"] for r in records], "loss": [r["loss"] for r in records],
-                "spike_steps": spike_steps,
-                "valid_tokens_seen": [r["tokens"] for r in valid], "valid_loss": [r["valid_loss"] for r in valid],
-                "final_valid_loss": valid[-1]["valid_loss"],
-                "spikes": sum(step > burn_in for step in spike_steps),
-                "early_spikes": [step for step in spike_steps if step <= burn_in],
-                "s_per_mtok": 1e6 * sum(r["step_time_s"] for r in timed) / (len(timed) * tokens_per_step),
-            })
+    for name in arm["runs"]:
+        setting, seed = name.rsplit("/seed", 1)
+        runs.setdefault(setting, []).append({**load_run(out / name), "seed": int(seed)})
     return runs
 
 
@@ -196,7 +202,38 @@ def _verdict(side: str, expected: str) -> str:
     return "**agrees** with the paper" if side == expected else "**disagrees** with the paper"
 
 
-def claims(table: dict[str, dict], runs: dict[str, list[dict]], study: dict) -> list[str]:
+def _no_gain_verdict(side: str, what: str) -> str:
+    if side == "single":
+        return "**one seed**: no spread to judge by, no verdict."
+    return (f"**disagrees**: {what} is clearly better here." if side == "lower" else
+            "**agrees** with the paper (no separated gain).")
+
+
+def stress_claim(stress: dict[str, list[dict]], study: dict) -> str:
+    """Fig. 3a (Hash-MoE's loss spikes, none for STEM) at ``stress_lr``: spikes after the first tenth per run."""
+    per = {v: [r["spikes"] for r in rs] for v, rs in stress.items()}
+    died = {v: sum(r["status"] == "diverged" for r in rs) for v, rs in stress.items()}
+    text = (f"- Hash-MoE shows loss spikes, STEM none (Fig. 3a), at lr {study['stress_lr']:g} "
+            f"({study['stress_lr'] / BASE_LR:g}x the recipe's peak): spikes per run "
+            + ", ".join(f"{VARIANTS[v]} {per[v]}" + (f" ({died[v]} diverged)" if died[v] else "") for v in per))
+    if "hash_moe" not in per or "stem_1_3" not in per:
+        return text + " — needs Hash-MoE and STEM-1/3 in the stress arm, no verdict."
+    moe, stem = summary(per["hash_moe"]), summary(per["stem_1_3"])
+    side = compare(moe, stem)
+    if side == "single":
+        return text + " — **one seed**: no spread to judge by, no verdict."
+    if side == "higher" and stem["max"] == 0:
+        return text + " — **agrees** with the paper (every Hash-MoE run spikes more than every STEM-1/3 run, " \
+                      "which has none)."
+    if side == "higher":
+        return text + " — **partly**: Hash-MoE spikes more in every seed, but STEM-1/3 spikes too."
+    if moe["max"] == 0 and stem["max"] == 0:
+        return text + " — **not reproduced** at this scale (no spikes at this lr)."
+    return text + " — **not reproduced** at this scale (Hash-MoE does not spike more than STEM-1/3 in every seed)."
+
+
+def claims(table: dict[str, dict], runs: dict[str, list[dict]], study: dict,
+           stress: Optional[dict[str, list[dict]]] = None) -> list[str]:
     """The paper's claims this study can test, each with the measured comparison and a verdict."""
     out = []
 
@@ -221,17 +258,19 @@ def claims(table: dict[str, dict], runs: dict[str, list[dict]], study: dict) -> 
         out.append(f"- Gains slow beyond 1/2 (STEM-full 53.43 vs STEM-1/2 54.20): STEM-full "
                    f"{_fmt(table['stem_full']['final_valid_loss'], 4)} vs STEM-1/2 "
                    f"{_fmt(table['stem_1_2']['final_valid_loss'], 4)} validation loss — "
-                   + ("**agrees** with the paper (no separated gain)." if side != "lower" else
-                      "**disagrees**: full is clearly better here."))
+                   + _no_gain_verdict(side, "full"))
     ratios = [v for v in ("stem_1_3", "stem_1_2", "stem_full") if v in table and "roi" in table[v]]
     if len(ratios) >= 2:
-        rois = [table[v]["roi"]["mean"] for v in ratios]
-        rising = all(x < y for x, y in zip(rois, rois[1:]))
+        sides = [compare(table[b]["roi"], table[a]["roi"]) for a, b in zip(ratios, ratios[1:])]
+        verdict = ("**one seed**: no spread to judge by, no verdict" if "single" in sides else
+                   "**agrees** with the paper (each step up separated)" if all(x == "higher" for x in sides) else
+                   "**disagrees** (a step down, separated)" if "lower" in sides else
+                   "**within seed spread** for at least one step (means: "
+                   + ("rising" if all(table[a]["roi"]["mean"] < table[b]["roi"]["mean"]
+                                      for a, b in zip(ratios, ratios[1:])) else "not rising") + ")")
         out.append("- Training ROI grows with the replacement ratio (1.08x / 1.20x / 1.33x): "
                    + " / ".join(f"{VARIANTS[v]} {_fmt(table[v]['roi'])}" for v in ratios)
-                   + (" — **agrees** with the paper (means rise)." if rising else
-                      " — **disagrees** (means do not rise).")
-                   + " ROI here is held-out token accuracy / training FLOPs, not downstream accuracy.")
+                   + f" — {verdict}. ROI here is held-out token accuracy / training FLOPs, not downstream accuracy.")
     if have("stem_gate", "dense"):
         line("Replacing the gate instead of the up-projection underperforms dense (49.10 vs 49.72)", "stem_gate",
              "dense", "final_valid_loss", "higher")
@@ -240,18 +279,12 @@ def claims(table: dict[str, dict], runs: dict[str, list[dict]], study: dict) -> 
         out.append(f"- STEM† (extra up-projection) does not improve on STEM (50.60 vs 50.90): STEM† "
                    f"{_fmt(table['stem_dagger']['final_valid_loss'], 4)} vs STEM-1/3 "
                    f"{_fmt(table['stem_1_3']['final_valid_loss'], 4)} validation loss — "
-                   + ("**disagrees**: STEM† is clearly better here." if side == "lower" else
-                      "**agrees** with the paper (no separated gain)."))
-    if have("hash_moe", "stem_1_3"):
-        moe, stem = table["hash_moe"]["spikes"], table["stem_1_3"]["spikes"]
-        stems = [v for v in ("stem_1_3", "stem_1_2", "stem_full", "stem_dagger", "stem_gate") if v in table]
-        stem_total = sum(sum(table[v]["spikes"]["values"]) for v in stems)
-        out.append(f"- Hash-MoE shows loss spikes, STEM none (Fig. 3a): after the first tenth of the run Hash-MoE "
-                   f"{_fmt(moe, 1)} spikes per run, STEM-1/3 {_fmt(stem, 1)}; {stem_total:.0f} spikes over all STEM "
-                   f"runs — "
-                   + ("**agrees** with the paper." if moe["min"] > stem["max"] else
-                      "**not reproduced** at this scale (no variant spikes there)." if moe["max"] == 0 else
-                      "**not reproduced** at this scale (Hash-MoE does not spike more than STEM)."))
+                   + _no_gain_verdict(side, "STEM†"))
+    if stress:
+        out.append(stress_claim(stress, study))
+    elif have("hash_moe", "stem_1_3"):
+        out.append(f"- Loss spikes at the recipe's lr (Fig. 3a is tested by the stress arm, not run here): Hash-MoE "
+                   f"{_fmt(table['hash_moe']['spikes'], 1)}, STEM-1/3 {_fmt(table['stem_1_3']['spikes'], 1)} per run.")
     stems = [v for v in ("stem_1_3", "stem_1_2", "stem_full") if v in table]
     if "dense" in table and stems:
         for v in stems:
@@ -290,7 +323,7 @@ def planned(config: dict) -> str:
 
 
 def markdown(table: dict[str, dict], runs: dict[str, list[dict]], study: dict, figures: dict[str, Path],
-             report: Path) -> str:
+             report: Path, ablation: Optional[dict] = None, stress: Optional[dict] = None) -> str:
     any_run = next(iter(table.values()))
     cfg = any_run["config"]
     m, t = cfg["model"], cfg["train"]
@@ -311,10 +344,26 @@ def markdown(table: dict[str, dict], runs: dict[str, list[dict]], study: dict, f
             f"{_fmt(row['fact_recall'], 3, True)} | {_fmt(row['edit_success'], 3, True)} | "
             f"{_fmt(row['edit_flips'], 3, True)} | {_fmt(row['spikes'], 1)} | "
             f"{_fmt(row['s_per_mtok'], 0)} |")
+    arm_sections = ""
+    if ablation:
+        seeds_ab = ", ".join(study["arms"]["ablation"]["swept"]["train.seed"])
+        arm_sections += (f"\n## Ablation: STEM-1/3 init x clipping x optimizer\n"
+                         f"{', '.join(f'`{k}`' for k in ABLATION)}; seeds {seeds_ab}, the main arm's tokens and lr.\n\n"
+                         f"{ablation_section(ablation)}\n\n"
+                         f"![ablation]({rel['ablation']})\n")
+    if stress:
+        lr = study["stress_lr"]
+        arm_sections += (f"\n## Stress: lr {lr:g} ({lr / BASE_LR:g}x the recipe's peak)\n"
+                         f"{', '.join(VARIANTS[v] for v in stress)}, {study['arms']['stress']['steps']} steps each, "
+                         "the same warm-up and cosine decay; spikes as above.\n\n"
+                         f"{stress_section(stress)}\n\n![stress]({rel['stress']})\n")
     text = f"""# Small-scale reproduction study
 
 *Generated by `{study['command']}` on {datetime.date.today().isoformat()}
 ({study['wall_s'] / 60:.0f} min for this invocation); do not edit by hand — rerun the command.*
+
+## How to run
+{how_to_run(study)}
 
 ## Setup
 - Model `{m['name']}`: {m['num_layers']} layers, d={m['hidden_size']}, d_ff={m['ffn_hidden_size']}, \
@@ -352,9 +401,9 @@ side by side, {study['threads']} torch thread(s) each.
 ![training loss]({rel['train']})
 
 ![fact recall, edit success, ROI]({rel['bars']})
-
+{arm_sections}
 ## Against the paper
-{chr(10).join(claims(table, runs, study))}
+{chr(10).join(claims(table, runs, study, stress))}
 
 ## Limits of this study
 - {any_run['train_tokens'] / 1e6:.1f}M tokens on a {m['num_layers']}-layer, d={m['hidden_size']} model is far \
@@ -369,12 +418,109 @@ below the paper's 350M/1B models
     return text
 
 
+# ------------------------------------------------------------------------------------------ ablation, stress
+def ablation_label(setting: str) -> str:
+    """``scaled-global-lazy`` -> ``scaled / global / lazy (defaults)``."""
+    values = setting.split("-")
+    default = values == [v[0] for v in ABLATION.values()]
+    return " / ".join(values) + (" (defaults)" if default else "")
+
+
+def ablation_section(ablation: dict[str, list[dict]]) -> str:
+    """The 8 settings' table and, per factor, its two levels compared over every run (the other factors
+    pooled, so a separated difference holds across them)."""
+    rows = ["| init / clip / optimizer | valid loss (end) | held-out acc | fact recall | spikes after 1/10 | "
+            "s / M tokens |", "|---|---|---|---|---|---|"]
+    for setting, rs in ablation.items():
+        s = {k: summary([r.get(k) for r in rs]) for k in ("final_valid_loss", "valid_accuracy", "fact_recall",
+                                                         "spikes", "s_per_mtok")}
+        rows.append(f"| {ablation_label(setting)} | {_fmt(s['final_valid_loss'], 4)} | "
+                    f"{_fmt(s['valid_accuracy'], 3, True)} | {_fmt(s['fact_recall'], 3, True)} | "
+                    f"{_fmt(s['spikes'], 1)} | {_fmt(s['s_per_mtok'], 0)} |")
+    lines = []
+    for i, (key, levels) in enumerate(ABLATION.items()):
+        by = {level: [r["final_valid_loss"] for setting, rs in ablation.items() if setting.split("-")[i] == level
+                      for r in rs] for level in levels}
+        if not all(by.values()):
+            continue
+        a, b = summary(by[levels[1]]), summary(by[levels[0]])
+        side = compare(a, b)
+        word = {"lower": "**lower** than (separated: better than)", "higher": "**higher** than (separated: worse than)",
+                "within": "**within the spread** of", "single": "one run each, no verdict against"}[side]
+        lines.append(f"- `{key}={levels[1]}` vs `{levels[0]}` (the default), final validation loss over "
+                     f"{len(a['values'])} vs {len(b['values'])} runs: {_fmt(a, 4)} vs {_fmt(b, 4)}: {word} "
+                     "the default.")
+    return "\n".join(rows) + "\n\n" + "\n".join(lines)
+
+
+def stress_section(stress: dict[str, list[dict]]) -> str:
+    """One row per stress run: spikes, the highest loss after the first tenth, the last loss, diverged."""
+    rows = ["| variant | seed | spikes after 1/10 | flagged steps | max loss after 1/10 | last loss | diverged |",
+            "|---|---|---|---|---|---|---|"]
+    for variant, rs in stress.items():
+        for r in rs:
+            first = r["loss"][0] if r["loss"] else math.nan
+            diverged = (f"yes: {r['error']} (after step {r['steps'][-1] if r['steps'] else 0})"
+                        if r["status"] == "diverged" else
+                        "yes: non-finite loss" if any(not math.isfinite(x) for x in r["loss"]) else
+                        "yes: last loss above the first" if r["final_loss"] >= first else "no")
+            rows.append(f"| {VARIANTS[variant]} | {r['seed']} | {r['spikes']} | {r['spike_steps'] or '–'} | "
+                        f"{r['max_loss']:.3f} | {r['final_loss']:.3f} | {diverged} |")
+    return "\n".join(rows)
+
+
+def plot_arms(ablation: Optional[dict], stress: Optional[dict], figures: Path) -> dict[str, Path]:
+    """The ablation's final validation loss per setting (every seed a dot) and the stress runs' training loss."""
+    paths = {}
+    if ablation:
+        fig, ax = plt.subplots(figsize=(10, 4))
+        for i, (setting, rs) in enumerate(ablation.items()):
+            vals = [r["final_valid_loss"] for r in rs if r["final_valid_loss"] is not None]
+            ax.bar(i, statistics.fmean(vals), color=f"C{i}", alpha=0.6)
+            ax.scatter([i] * len(vals), vals, color="k", s=12, zorder=3)
+            ax.set_ylim(bottom=0.98 * min(vals) if i == 0 else min(ax.get_ylim()[0], 0.98 * min(vals)))
+        ax.set_xticks(range(len(ablation)), [ablation_label(s).replace(" (defaults)", "*") for s in ablation],
+                      rotation=30, ha="right", fontsize=8)
+        ax.set(ylabel="final validation loss", title="STEM-1/3 ablation: init / clip / optimizer (* defaults)")
+        paths["ablation"] = _save(fig, [ax], figures / "ablation.png")
+    if stress:
+        fig, ax = plt.subplots(figsize=(12, 4.5))
+        for i, (variant, rs) in enumerate(stress.items()):
+            for j, r in enumerate(rs):
+                ax.plot(r["steps"], r["loss"], lw=0.7, alpha=0.8, color=f"C{i}", label=VARIANTS[variant] if j == 0
+                        else None)
+                ax.scatter(r["spike_steps"], [r["loss"][r["steps"].index(s)] for s in r["spike_steps"]],
+                           color=f"C{i}", marker="x", s=30)
+        ax.set(xlabel="step", ylabel="training loss", title="stress arm: training loss, every seed (x: flagged spikes)")
+        paths["stress"] = _save(fig, [ax], figures / "stress_loss.png")
+    return paths
+
+
+def how_to_run(study: dict) -> str:
+    """The command, the arms as sweep commands, the token budget and the time it took."""
+    arms = study["arms"]
+    budget = ", ".join(f"{name} {len(a['runs'])} runs x {a['steps']} steps" for name, a in arms.items())
+    lines = [f"`{study['command']}` ran {sum(len(a['runs']) for a in arms.values())} runs ({budget}; 16 x 128 "
+             f"tokens per step, {study['jobs']} runs side by side, each one process with {study['threads']} torch "
+             f"thread(s)) in {study['wall_s'] / 60:.0f} min. Each arm is a Hydra sweep, cut into sweeps of "
+             f"{study['jobs']} jobs run by the `submitit_local` launcher (it starts every job of a sweep at once); "
+             "the arm's whole sweep, as a user would type it:"]
+    for name, a in arms.items():
+        lines.append(f"- {name}: `{a['command']}`")
+    return "\n".join(lines)
+
+
 def write_report(out: Path, report: Path, study: dict) -> dict:
-    runs = load_runs(out, study["variants"], study["seeds"])
+    """The report of the arms in ``study`` (``settings.json``); the main arm is required (setup, claims)."""
+    loaded = {name: load_arm(out / name, arm) for name, arm in study["arms"].items()}
+    if "main" not in loaded:
+        raise ValueError("the report needs the main arm (its setup and the paper's claims)")
+    runs, ablation, stress = loaded["main"], loaded.get("ablation"), loaded.get("stress")
     table = aggregate(runs)
-    figures = plot(runs, table, report.parent / "results")
+    figures = report.parent / "results"
+    paths = {**plot(runs, table, figures), **plot_arms(ablation, stress, figures)}
     report.parent.mkdir(parents=True, exist_ok=True)
-    report.write_text(markdown(table, runs, study, figures, report))
+    report.write_text(markdown(table, runs, study, paths, report, ablation, stress))
     (out / "results.json").write_text(json.dumps({"study": study, "table": table}, indent=1))
     return table
 

@@ -8,7 +8,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 from megatron.core.datasets.indexed_dataset import IndexedDataset
@@ -102,30 +101,123 @@ def test_report_calls_a_difference_only_when_seeds_separate():
     assert summary([None, None]) is None and summary([2.0, None, 4.0])["mean"] == 3.0
 
 
+def test_each_arm_is_a_hydra_sweep_cut_into_products_of_jobs_size():
+    from study_arms import ABLATION, VARIANTS, arms, chunks, sweep_command
+
+    main, ablation, stress = arms(list(VARIANTS), [1, 2, 3], [1, 2], [1, 2, 3], steps=600, stress_steps=300,
+                                  stress_lr=3e-2)
+    assert (len(main.points()), len(ablation.points()), len(stress.points())) == (21, 16, 9)
+    full = sweep_command(main, main.points(), "/out/main", ["parallel=single"])
+    assert full[1:5] == ["-m", "stem_megatron.train", "-m", "hydra/launcher=submitit_local"]
+    assert full[-2:] == [f"variant={','.join(VARIANTS)}", "train.seed=1,2,3"]
+    assert "hydra.sweep.subdir=${hydra:runtime.choices.variant}/seed${train.seed}" in full
+    assert {"logging.wandb=true", "logging.group=study-main", "checkpoint.export=${out_dir}/export",
+            "train.steps=600", "train.eval_interval=60"} <= set(full)
+    ab = sweep_command(ablation, ablation.points(), "/out/ablation", [])
+    assert "variant=stem_1_3" in ab and all(f"{k}={','.join(v)}" in ab for k, v in ABLATION.items())
+    assert ablation.run_name(ablation.points()[0]) == "scaled-global-lazy/seed1"
+    assert "hydra.sweep.subdir=${stem.table_init}-${stem.clip}-${stem.optimizer}/seed${train.seed}" in ab
+    st = sweep_command(stress, stress.points(), "/out/stress", [])
+    assert {"train.lr=0.03", "variant=dense,stem_1_3,hash_moe", "train.steps=300"} <= set(st)
+    assert not any(c.startswith("checkpoint.export") for c in st)  # scored from metrics.jsonl alone
+    for arm in (main, ablation, stress):
+        cut = chunks(arm.points(), 2)
+        assert sorted(arm.run_name(p) for c in cut for p in c) == sorted(arm.run_name(p) for p in arm.points())
+        assert all(len(c) <= 2 for c in cut) and len(cut) == -(-len(arm.points()) // 2)
+        for c in cut:
+            sweep_command(arm, c, "/out", [])  # asserts the points form a product
+    assert [[main.run_name(p) for p in c] for c in chunks(main.points(), 2)[:2]] == \
+        [["dense/seed1", "dense/seed2"], ["dense/seed3", "stem_1_3/seed3"]]  # seeds of a setting together
+
+
+def _fake_run(run_dir, variant, seed, final, spikes=(), status="finished", ratio="1/3", steps=40):
+    import dataclasses
+
+    from stem_megatron.config import RunConfig, STEMConfig, TrainConfig
+
+    run_dir.mkdir(parents=True)
+    stem = "stem" if variant.startswith("stem") else variant
+    cfg = RunConfig(stem=STEMConfig(variant=stem, ratio="0" if stem == "dense" else ratio),
+                    train=TrainConfig(steps=steps, seed=seed))
+    (run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(cfg)))
+    records = [{"step": s, "loss": 8.0 - s * 0.05 + (3.0 if s in spikes else 0.0), "step_time_s": 0.5,
+                "tokens": s * 1024, "loss_spike": s in spikes} | ({"valid_loss": final} if s == steps else {})
+               for s in range(1, steps + 1)]
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    ev = {"valid_nll": final, "valid_accuracy": 0.3 - final / 100, "fact_recall": 0.5 + seed / 10, "facts": 20,
+          "fact_majority": 0.1, "edit_success": None, "edit_flips": None, "edit_stays": None,
+          "params_total": 1e6, "params_active": 1e6, "train_tokens": 40960, "flops_per_token": 1e6,
+          "train_flops": 4e10}
+    (run_dir / "eval.json").write_text(json.dumps(ev))
+    (run_dir / "study.json").write_text(json.dumps({"status": status, "error": "FloatingPointError: non-finite"
+                                                    if status == "diverged" else None}))
+
+
+def test_report_tables_from_fabricated_runs(tmp_path):
+    from study_arms import ABLATION, arms
+    from study_report import write_report
+
+    main, ablation, stress = arms(["dense", "stem_1_3", "hash_moe"], [1, 2], [1, 2], [1, 2], 40, 40, 1.5e-2)
+    out = tmp_path / "study"
+    for p in main.points():
+        _fake_run(out / "main" / main.run_name(p), p["variant"], int(p["train.seed"]),
+                  {"dense": 4.8, "stem_1_3": 4.5, "hash_moe": 4.7}[p["variant"]] + int(p["train.seed"]) / 100)
+    for p in ablation.points():  # xavier is worse in every setting, the rest within noise
+        bad = 0.3 if p["stem.table_init"] == "xavier" else 0.0
+        _fake_run(out / "ablation" / ablation.run_name(p), "stem_1_3", int(p["train.seed"]),
+                  4.5 + bad + int(p["train.seed"]) / 100)
+    for p in stress.points():
+        spikes = {"hash_moe": (10, 25, 30), "dense": (20,), "stem_1_3": ()}[p["variant"]]
+        _fake_run(out / "stress" / stress.run_name(p), p["variant"], int(p["train.seed"]), 5.0, spikes=spikes,
+                  status="diverged" if p["variant"] == "dense" and p["train.seed"] == "2" else "finished")
+    study = {"arms": {a.name: {"swept": a.swept, "fixed": a.fixed, "steps": a.steps,
+                               "runs": [a.run_name(p) for p in a.points()], "command": f"python -m ... {a.name}"}
+                      for a in (main, ablation, stress)},
+             "variants": ["dense", "stem_1_3", "hash_moe"], "seeds": [1, 2], "steps": 40, "jobs": 2, "threads": 1,
+             "facts_share": 30, "subjects": 20, "answers": 4, "repeats": 30, "overrides": [], "stress_lr": 1.5e-2,
+             "wall_s": 60.0, "command": "python benchmarks/study.py"}
+    report = tmp_path / "docs" / "results.md"
+    write_report(out, report, study)
+    text = report.read_text()
+    assert "## How to run" in text and "- ablation: `python -m ... ablation`" in text
+    assert "STEM-1/3 beats dense" in text and "(final_valid_loss: below) — **agrees** with the paper" in text
+    rows = [line for line in text.splitlines() if line.startswith("| scaled") or line.startswith("| xavier")]
+    assert len(rows) == 8 and rows[0].startswith("| scaled / global / lazy (defaults) | 4.5150 [4.5100, 4.5200]")
+    lines = {k: next(line for line in text.splitlines() if line.startswith(f"- `{k}=")) for k in ABLATION}
+    assert "**higher** than (separated: worse than) the default" in lines["stem.table_init"]
+    assert "**within the spread** of the default" in lines["stem.clip"] and "8 vs 8 runs" in lines["stem.optimizer"]
+    assert "| Hash-MoE-1/3 | 1 | 3 | [10, 25, 30] | 10.500 | 6.000 | no |" in text
+    assert "| dense | 2 | 1 | [20] | 10.000 | 6.000 | yes: FloatingPointError: non-finite" in text
+    assert "spikes per run dense [1, 1] (1 diverged), STEM-1/3 [0, 0], Hash-MoE-1/3 [3, 3] — **agrees**" in text
+    assert "lr 0.015 (5x the recipe's peak)" in text
+    for png in re.findall(r"\]\((results/[a-z_]+\.png)\)", text):
+        assert (report.parent / png).stat().st_size > 10_000
+    assert len(re.findall(r"\.png\)", text)) == 5
+
+
 @pytest.mark.slow
 def test_study_runs_end_to_end_and_writes_its_report(tmp_path):
+    """Two tiny runs of the main arm through the real sweep (submitit_local, both side by side), scored,
+    reported; the same command again finds both finished."""
     out, report = tmp_path / "study", tmp_path / "docs" / "results.md"
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "study.py"), "--variants", "dense", "stem_1_3",
-           "--seeds", "1", "2", "--steps", "4", "--subjects", "20", "--answers", "4", "--repeats", "30",
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "study.py"), "--arms", "main", "--variants", "dense", "stem_1_3",
+           "--seeds", "1", "--steps", "4", "--subjects", "20", "--answers", "4", "--repeats", "30",
            "--valid-windows", "4", "--eval-iters", "1", "--out", str(out), "--report", str(report),
            "--facts-dir", str(tmp_path)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1200, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     text = report.read_text()
-    evals = {v: [json.loads((out / v / f"seed{s}" / "eval.json").read_text()) for s in (1, 2)]
-             for v in ("dense", "stem_1_3")}
     for variant, label in (("dense", "dense"), ("stem_1_3", "STEM-1/3")):
+        run = out / "main" / variant / "seed1"
+        ev = json.loads((run / "eval.json").read_text())
         row = next(line for line in text.splitlines() if line.startswith(f"| {label} |"))
-        recall = [e["fact_recall"] for e in evals[variant]]
-        assert f"{100 * np.mean(recall):.1f}% [{100 * min(recall):.1f}%, {100 * max(recall):.1f}%]" in row
-        metrics = (out / variant / "seed1" / "metrics.jsonl").read_text().splitlines()
-        assert [json.loads(line)["step"] for line in metrics] == [1, 2, 3, 4]
-    assert evals["dense"][0]["edit_success"] is None and evals["stem_1_3"][0]["train_flops"] < \
-        evals["dense"][0]["train_flops"]
-    assert "## Against the paper" in text and "STEM-1/3 beats dense" in text
-    for png in re.findall(r"\]\((results/[a-z_]+\.png)\)", text):
-        assert (report.parent / png).stat().st_size > 10_000
-    assert len(re.findall(r"\.png\)", text)) == 3
+        assert f"{100 * ev['fact_recall']:.1f}%" in row
+        assert [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3, 4]
+        assert len(list((run / "wandb").glob("offline-run-*/run-*.wandb"))) == 1
+        assert json.loads((run / "study.json").read_text())["status"] == "finished"
+        assert not (run / "checkpoints").exists() and (run / "export").is_dir()
+    assert "main: `python -m stem_megatron.train -m hydra/launcher=submitit_local" in text
+    assert "**one seed**: no spread to judge by, no verdict" in text
     again = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)  # finished runs are kept
-    assert again.returncode == 0 and again.stdout.count("done earlier") == 4, again.stdout[-2000:]
-    assert re.sub(r"\(\d+ min", "", report.read_text()) == re.sub(r"\(\d+ min", "", text)
+    assert again.returncode == 0 and "[main] 2 runs done earlier" in again.stdout, again.stdout[-2000:]
+    assert re.sub(r"\d+ min", "", report.read_text()) == re.sub(r"\d+ min", "", text)
