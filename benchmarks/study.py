@@ -22,13 +22,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import pickle
 import shutil
 import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+from submitit.core.utils import JobPaths, pickle_load
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -68,20 +69,21 @@ def last_step(run_dir: Path) -> int:
 
 
 def job_errors(folder: Path, timeout_s: float = 600) -> dict[str, str]:
-    """``{run dir: traceback}`` of the failed jobs of one sweep, after waiting for all its jobs to end (the
-    launcher returns at the first failure while the other jobs still run)."""
-    jobs = [job for job in folder.iterdir() if list(job.glob("*_submitted.pkl"))]  # not the launcher's "%j"
+    """``{run dir: traceback}`` of the failed jobs of one sweep (submitit's job files, ``<folder>/<job id>/``),
+    after waiting for all its jobs to end (the launcher returns at the first failure while others still run)."""
+    jobs = [JobPaths(folder / "%j", job_id=d.name) for d in folder.iterdir() if d.is_dir()]
+    jobs = [job for job in jobs if job.submitted_pickle.is_file()]  # not the launcher's own "%j" folder
     deadline = time.time() + timeout_s
-    while time.time() < deadline and any(not list(job.glob("*_result.pkl")) for job in jobs):
+    while time.time() < deadline and any(not job.result_pickle.is_file() for job in jobs):
         time.sleep(2)
     errors = {}
     for job in jobs:
-        out = "".join(p.read_text(errors="replace") for p in job.glob("*_log.out"))
+        out = job.stdout.read_text(errors="replace") if job.stdout.is_file() else ""
         run = next((line.split(": ", 1)[1].strip() for line in out.splitlines()
                     if line.startswith("run directory: ")), None)
-        for result in job.glob("*_result.pkl"):
-            outcome, value = pickle.loads(result.read_bytes())
-            if outcome == "error" and run:
+        if run and job.result_pickle.is_file():
+            outcome, value = pickle_load(job.result_pickle)
+            if outcome == "error":
                 errors[str(Path(run).resolve())] = str(value)
     return errors
 

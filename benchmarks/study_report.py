@@ -28,7 +28,6 @@ from study_arms import ABLATION, VARIANTS  # noqa: E402
 
 from stem_megatron.layer_plan import stem_layer_indices  # noqa: E402
 
-BASE_LR = 3e-3  # recipes/train.yaml's train.lr, the stress arm's reference
 WARMUP_STEPS = 5  # first steps (graph warm-up, first prefetches) left out of the wall time per token
 # Spikes are counted after the first tenth of a run: while the loss falls from ~8 to ~5 the detector's
 # baseline lags and flags the batches whose blend composition is hardest (the report lists those steps).
@@ -214,7 +213,7 @@ def stress_claim(stress: dict[str, list[dict]], study: dict) -> str:
     per = {v: [r["spikes"] for r in rs] for v, rs in stress.items()}
     died = {v: sum(r["status"] == "diverged" for r in rs) for v, rs in stress.items()}
     text = (f"- Hash-MoE shows loss spikes, STEM none (Fig. 3a), at lr {study['stress_lr']:g} "
-            f"({study['stress_lr'] / BASE_LR:g}x the recipe's peak): spikes per run "
+            f"({study['stress_lr'] / study['base_lr']:g}x the recipe's peak): spikes per run "
             + ", ".join(f"{VARIANTS[v]} {per[v]}" + (f" ({died[v]} diverged)" if died[v] else "") for v in per))
     if "hash_moe" not in per or "stem_1_3" not in per:
         return text + " — needs Hash-MoE and STEM-1/3 in the stress arm, no verdict."
@@ -353,7 +352,7 @@ def markdown(table: dict[str, dict], runs: dict[str, list[dict]], study: dict, f
                          f"![ablation]({rel['ablation']})\n")
     if stress:
         lr = study["stress_lr"]
-        arm_sections += (f"\n## Stress: lr {lr:g} ({lr / BASE_LR:g}x the recipe's peak)\n"
+        arm_sections += (f"\n## Stress: lr {lr:g} ({lr / study['base_lr']:g}x the recipe's peak)\n"
                          f"{', '.join(VARIANTS[v] for v in stress)}, {study['arms']['stress']['steps']} steps each, "
                          "the same warm-up and cosine decay; spikes as above.\n\n"
                          f"{stress_section(stress)}\n\n![stress]({rel['stress']})\n")
@@ -516,6 +515,7 @@ def write_report(out: Path, report: Path, study: dict) -> dict:
     if "main" not in loaded:
         raise ValueError("the report needs the main arm (its setup and the paper's claims)")
     runs, ablation, stress = loaded["main"], loaded.get("ablation"), loaded.get("stress")
+    study = {**study, "base_lr": next(iter(runs.values()))[0]["config"]["train"]["lr"]}  # the stress arm's reference
     table = aggregate(runs)
     figures = report.parent / "results"
     paths = {**plot(runs, table, figures), **plot_arms(ablation, stress, figures)}

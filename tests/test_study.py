@@ -138,7 +138,7 @@ def _fake_run(run_dir, variant, seed, final, spikes=(), status="finished", ratio
     run_dir.mkdir(parents=True)
     stem = "stem" if variant.startswith("stem") else variant
     cfg = RunConfig(stem=STEMConfig(variant=stem, ratio="0" if stem == "dense" else ratio),
-                    train=TrainConfig(steps=steps, seed=seed))
+                    train=TrainConfig(steps=steps, seed=seed, lr=3e-3))  # recipes/train.yaml's peak
     (run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(cfg)))
     records = [{"step": s, "loss": 8.0 - s * 0.05 + (3.0 if s in spikes else 0.0), "step_time_s": 0.5,
                 "tokens": s * 1024, "loss_spike": s in spikes} | ({"valid_loss": final} if s == steps else {})
