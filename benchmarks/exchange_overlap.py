@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -26,6 +25,7 @@ from pathlib import Path
 
 import numpy as np
 from tokenizers import Tokenizer, models
+from torch.distributed.elastic.utils.distributed import get_free_port
 
 from stem_megatron.data.tokenizer import EOD_TOKEN
 
@@ -55,16 +55,10 @@ def write_corpus(out: Path, counts: np.ndarray, tokens: int, doc_tokens: int = 5
     return vocab
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def train(out_dir: Path, corpus: Path, vocab: int, steps: int, overlap: bool) -> list[dict]:
     """One run on two torchrun agents (two nodes); its metrics.jsonl records."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1",
-           "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{_port()}", "--rdzv_id=overlap",
+           "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{get_free_port()}", "--rdzv_id=overlap",
            "-m", "stem_megatron.train", "parallel=dp2", f"model.vocab_size={vocab}", f"data.vocab_size={vocab}",
            f"data.dir={corpus}", f"train.steps={steps}", "train.micro_batch_size=4", "train.global_batch_size=16",
            "train.eval_iters=0", "checkpoint.resume=false", "checkpoint.save_interval=0", f"out_dir={out_dir}",

@@ -26,7 +26,6 @@ import argparse
 import functools
 import json
 import os
-import socket
 import sys
 import tempfile
 from dataclasses import dataclass
@@ -34,6 +33,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from torch.distributed.elastic.utils.distributed import get_free_port
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_COUNTS = REPO.parent / "shared" / "data" / "token_counts_128k.npy"
@@ -280,11 +280,8 @@ def emulated(counts: np.ndarray, node_counts, e: Emulation = Emulation()) -> lis
     p = counts / counts.sum()
     out = []
     for nodes in node_counts:
-        with tempfile.TemporaryDirectory() as tmp, socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-            sock.close()
-            mp.spawn(_emulated_node, args=(nodes, port, p, e, tmp), nprocs=nodes, join=True)
+        with tempfile.TemporaryDirectory() as tmp:
+            mp.spawn(_emulated_node, args=(nodes, get_free_port(), p, e, tmp), nprocs=nodes, join=True)
             per_node = [torch.load(os.path.join(tmp, f"{r}.pt")) for r in range(nodes)]
         sent = float(np.mean([b for node in per_node for b, _ in node]))
         rows = float(np.mean([r for node in per_node for _, r in node]))

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import datetime
 import os
-import socket
 
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+from torch.distributed.elastic.utils.distributed import get_free_port
 
 from stem_megatron import cpu_compat
 
@@ -22,10 +22,8 @@ def single_process_env() -> None:
     """Lets a run start without torchrun, as a world of one (no-op under torchrun/srun)."""
     if "WORLD_SIZE" in os.environ:
         return
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(get_free_port()))
 
 
 RENDEZVOUS_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")

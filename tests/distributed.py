@@ -8,17 +8,11 @@ traceback.
 from __future__ import annotations
 
 import os
-import socket
 import tempfile
 
 import torch
 import torch.multiprocessing as mp
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from torch.distributed.elastic.utils.distributed import get_free_port
 
 
 def _worker(rank, world, port, tp, pp, ep, seed, fn, args, out_dir):
@@ -38,5 +32,5 @@ def _worker(rank, world, port, tp, pp, ep, seed, fn, args, out_dir):
 def run(fn, world: int, *args, tp: int = 1, pp: int = 1, ep: int = 1, seed: int = 1234) -> list:
     """Run ``fn(*args)`` on ``world`` ranks with TP=tp, PP=pp, EP=ep (DP = world / (tp*pp))."""
     with tempfile.TemporaryDirectory() as out_dir:
-        mp.spawn(_worker, args=(world, _free_port(), tp, pp, ep, seed, fn, args, out_dir), nprocs=world, join=True)
+        mp.spawn(_worker, args=(world, get_free_port(), tp, pp, ep, seed, fn, args, out_dir), nprocs=world, join=True)
         return [torch.load(os.path.join(out_dir, f"{r}.pt"), weights_only=False) for r in range(world)]

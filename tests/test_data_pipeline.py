@@ -3,7 +3,6 @@ cross-document masking in the model, and clear errors for damaged files and out-
 
 import json
 import shutil
-import socket
 import string
 import tempfile
 
@@ -14,6 +13,7 @@ import torch
 import torch.distributed as dist
 from conftest import VOCAB
 from megatron.core.datasets.indexed_dataset import IndexedDataset
+from torch.distributed.elastic.utils.distributed import get_free_port
 
 from stem_megatron.config import ConfigError, DataConfig, RunConfig, validate
 from stem_megatron.data.batches import micro_batches
@@ -27,10 +27,7 @@ from stem_megatron.data.tokenizer import HFTokenizer
 @pytest.fixture(scope="module")
 def world_of_one():
     """build_datasets is collective: a one-rank gloo group (torn down so other modules see none)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{get_free_port()}", rank=0, world_size=1)
     yield
     dist.destroy_process_group()
 

@@ -4,7 +4,6 @@ as the same world on one node (losses, grad norms, every weight and table row of
 checkpoint resumes on another node count and TP size."""
 
 import json
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -12,19 +11,14 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import VOCAB
+from torch.distributed.elastic.utils.distributed import get_free_port
 
 STEPS = 6
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _cmd(corpus, out_dir, parallel, nnodes, nproc, overrides):
     return [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}", f"--nproc_per_node={nproc}",
-            "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{_port()}", "--rdzv_id=stem-test",
+            "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{get_free_port()}", "--rdzv_id=stem-test",
             "-m", "stem_megatron.train", f"parallel={parallel}", "variant=stem_1_3", "model.num_layers=3",
             "model.seq_length=32", f"model.vocab_size={VOCAB}", f"data.vocab_size={VOCAB}", f"data.dir={corpus}",
             f"out_dir={out_dir}", f"train.steps={STEPS}", "train.micro_batch_size=2", "train.global_batch_size=4",
