@@ -425,9 +425,41 @@ def ablation_label(setting: str) -> str:
     return " / ".join(values) + (" (defaults)" if default else "")
 
 
+def paired_differences(ablation: dict[str, list[dict]], factor: int, level: str, default: str) -> list[float]:
+    """Final validation loss at ``level`` minus at ``default`` of ``factor``, one difference per pair of runs
+    with the same seed and the same other settings (same data order and backbone init)."""
+    diffs = []
+    for setting, rs in ablation.items():
+        values = setting.split("-")
+        if values[factor] != default:
+            continue
+        partner = ablation.get("-".join(values[:factor] + [level] + values[factor + 1:]), [])
+        at = {r["seed"]: r["final_valid_loss"] for r in partner}
+        diffs += [at[r["seed"]] - r["final_valid_loss"] for r in rs
+                  if r["final_valid_loss"] is not None and at.get(r["seed"]) is not None]
+    return diffs
+
+
+def paired_line(key: str, level: str, default: str, diffs: list[float]) -> str:
+    """One factor's verdict by the sign of its paired differences: "better"/"worse" only when every pair
+    agrees (by chance 2 / 2^n for n pairs, two-sided), else "no consistent difference"."""
+    lower, higher = sum(d < 0 for d in diffs), sum(d > 0 for d in diffs)
+    n = len(diffs)
+    s = summary(diffs)
+    if n >= 2 and lower == n:
+        word = f"**better** than the default in every pair (by chance: 2/2^{n} = {2 / 2 ** n:.1%})"
+    elif n >= 2 and higher == n:
+        word = f"**worse** than the default in every pair (by chance: 2/2^{n} = {2 / 2 ** n:.1%})"
+    else:
+        word = "**no consistent difference** from the default"
+    return (f"- `{key}={level}` vs `{default}` (the default), final validation loss over {n} pairs of runs "
+            f"(same seed and other settings): difference {s['mean']:+.4f} [{s['min']:+.4f}, {s['max']:+.4f}], "
+            f"lower in {lower} and higher in {higher} of {n} pairs: {word}.")
+
+
 def ablation_section(ablation: dict[str, list[dict]]) -> str:
-    """The 8 settings' table and, per factor, its two levels compared over every run (the other factors
-    pooled, so a separated difference holds across them)."""
+    """The 8 settings' table and, per factor, its level against the default in pairs of runs that differ in
+    that factor only: the seed moves the loss more than the factors do, and a pair shares its seed."""
     rows = ["| init / clip / optimizer | valid loss (end) | held-out acc | fact recall | spikes after 1/10 | "
             "s / M tokens |", "|---|---|---|---|---|---|"]
     for setting, rs in ablation.items():
@@ -437,18 +469,10 @@ def ablation_section(ablation: dict[str, list[dict]]) -> str:
                     f"{_fmt(s['valid_accuracy'], 3, True)} | {_fmt(s['fact_recall'], 3, True)} | "
                     f"{_fmt(s['spikes'], 1)} | {_fmt(s['s_per_mtok'], 0)} |")
     lines = []
-    for i, (key, levels) in enumerate(ABLATION.items()):
-        by = {level: [r["final_valid_loss"] for setting, rs in ablation.items() if setting.split("-")[i] == level
-                      for r in rs] for level in levels}
-        if not all(by.values()):
-            continue
-        a, b = summary(by[levels[1]]), summary(by[levels[0]])
-        side = compare(a, b)
-        word = {"lower": "**lower** than (separated: better than)", "higher": "**higher** than (separated: worse than)",
-                "within": "**within the spread** of", "single": "one run each, no verdict against"}[side]
-        lines.append(f"- `{key}={levels[1]}` vs `{levels[0]}` (the default), final validation loss over "
-                     f"{len(a['values'])} vs {len(b['values'])} runs: {_fmt(a, 4)} vs {_fmt(b, 4)}: {word} "
-                     "the default.")
+    for i, (key, (default, level)) in enumerate(ABLATION.items()):
+        diffs = paired_differences(ablation, i, level, default)
+        if diffs:
+            lines.append(paired_line(key, level, default, diffs))
     return "\n".join(rows) + "\n\n" + "\n".join(lines)
 
 
