@@ -98,7 +98,8 @@ def test_paper_experiments_compose_and_validate_for_64_gpus(experiment, model, l
     cfg = to_run_config(_compose(f"+experiment={experiment}", "variant=stem_1_3"))
     assert cfg.model.name == model and cfg.train.lr == lr and cfg.train.global_batch_size == 512
     assert (cfg.train.adam_beta1, cfg.train.adam_beta2, cfg.train.weight_decay) == (0.9, 0.95, 0.1)
-    assert cfg.stem.table_init == "xavier"  # as the released code (docs/recipes.md)
+    # as the released code; clip and optimizer also as study v2's ablation found (docs/recipes.md)
+    assert (cfg.stem.table_init, cfg.stem.clip, cfg.stem.optimizer) == ("xavier", "separate", "dense")
     assert validate(cfg, 64) == 64
 
 
@@ -117,4 +118,5 @@ def test_later_stages_compose_and_validate(experiment, lr, decay, seq, batch, cr
     assert cfg.data.reset_attention_mask == cfg.data.reset_position_ids == cross_doc
     if experiment == "midtrain_1b":
         assert [w for w, _ in cfg.data.blend] == [65, 5, 30]
+    assert (cfg.stem.clip, cfg.stem.optimizer) == ("separate", "dense")  # as pretrain_1b
     assert validate(cfg, 64) == 64
