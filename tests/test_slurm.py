@@ -31,7 +31,8 @@ def tiny(corpus, out_dir, steps, parallel="tp2"):
     return ["model=tiny", f"parallel={parallel}", "model.num_layers=2", "model.seq_length=32",
             f"model.vocab_size={VOCAB}", f"data.vocab_size={VOCAB}", f"data.dir={corpus}", f"out_dir={out_dir}",
             f"train.steps={steps}", "train.log_interval=1", "train.micro_batch_size=4", "train.global_batch_size=8",
-            "stem.placement=device"]
+            # device tables: megatron clips them with the backbone, so the 1B recipe's separate clip is refused
+            "stem.placement=device", "stem.clip=global"]
 
 
 @pytest.fixture(scope="module")
@@ -101,11 +102,16 @@ def test_gpu_job_with_cpu_torch_stops_before_srun(slurm, corpus, tmp_path):
     assert "srun:" not in text and not (tmp_path / "run").exists()
 
 
-def wait_for(predicate, timeout, what):
+def wait_for(predicate, timeout, what, job_id=None, log=None):
+    """Poll ``predicate``; with ``job_id``, fail at once with the job's log when the job has ended."""
     end = time.monotonic() + timeout
     while time.monotonic() < end:
         if predicate():
             return
+        state = job_info(job_id).get("JobState") if job_id else None
+        if state in ("FAILED", "COMPLETED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"):
+            text = log.read_text()[-4000:] if log is not None and log.exists() else "(no log)"
+            raise AssertionError(f"job {job_id} ended ({state}) while waiting for {what}:\n{text}")
         time.sleep(0.5)
     raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
@@ -119,7 +125,7 @@ def test_usr1_requeues_and_resumes(slurm, corpus, tmp_path):
     metrics = out / "metrics.jsonl"
     latest = out / "checkpoints" / "latest"
     try:
-        wait_for(latest.exists, 180, "the first checkpoint")
+        wait_for(latest.exists, 180, "the first checkpoint", job_id, log)
         # what --signal=B:USR1@120 does shortly before the time limit: USR1 to the batch shell only
         subprocess.run(["scancel", "--batch", "--signal=USR1", job_id], check=True)
         requeued = {"Restarts": "1", "JobState": "PENDING"}
@@ -128,7 +134,7 @@ def test_usr1_requeues_and_resumes(slurm, corpus, tmp_path):
         # slurm holds a requeued job back ~2 minutes (Reason=BeginTime); let it start now
         subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], check=True)
         wait_for(lambda: "resumed from" in log.read_text() and len(metrics.read_text().splitlines()) > saved + 1,
-                 180, "the resumed run's steps")
+                 180, "the resumed run's steps", job_id, log)
         text = log.read_text()  # --open-mode=append: both attempts in one log
         assert f"requeueing job {job_id} (restart 1)" in text
         assert "restart 0:" in text and "restart 1:" in text
