@@ -110,15 +110,17 @@ def run_sweep(arm: Arm, points: list[dict], args, env: dict, number: int) -> Non
     print(f"[{arm.name}] {', '.join(names)}: {arm.steps} steps", flush=True)
     (arm_dir / "sweeps").mkdir(parents=True, exist_ok=True)
     log_path = arm_dir / "sweeps" / f"sweep{number}.log"
+    start = time.time()
     with open(log_path, "w") as log:
         log.write(" ".join(command) + "\n")
         log.flush()
         ok = subprocess.run(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT).returncode == 0
+    share_s = (time.time() - start) / len(points)  # the machine's time per run: the sweep's runs share it
     errors = {} if ok else job_errors(folder)
     done = []
     for point, name in zip(points, names):
         run_dir = arm_dir / name
-        status = {**identity(arm, point, args), "status": "finished"}
+        status = {**identity(arm, point, args), "status": "finished", "machine_s": share_s}
         if last_step(run_dir) < arm.steps or (arm.scored and not (run_dir / "export").is_dir()):
             error = errors.get(str(run_dir.resolve()), "")
             if arm.scored or not any(word in error for word in DIVERGED):

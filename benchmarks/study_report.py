@@ -51,6 +51,7 @@ def load_run(run_dir: Path) -> dict:
     status = json.loads((run_dir / "study.json").read_text())
     return {
         **ev, "config": config, "status": status["status"], "error": status.get("error"),
+        "machine_s": status.get("machine_s", 0.0),
         "steps": [r["step"] for r in records], "loss": [r["loss"] for r in records],
         "spike_steps": spike_steps,
         "valid_tokens_seen": [r["tokens"] for r in valid], "valid_loss": [r["valid_loss"] for r in valid],
@@ -362,7 +363,7 @@ def markdown(table: dict[str, dict], runs: dict[str, list[dict]], study: dict, f
 ({study['wall_s'] / 60:.0f} min for this invocation); do not edit by hand — rerun the command.*
 
 ## How to run
-{how_to_run(study)}
+{how_to_run(study, {"main": runs, "ablation": ablation or {}, "stress": stress or {}})}
 
 ## Setup
 - Model `{m['name']}`: {m['num_layers']} layers, d={m['hidden_size']}, d_ff={m['ffn_hidden_size']}, \
@@ -519,13 +520,17 @@ def plot_arms(ablation: Optional[dict], stress: Optional[dict], figures: Path) -
     return paths
 
 
-def how_to_run(study: dict) -> str:
-    """The command, the arms as sweep commands, the token budget and the time it took."""
+def how_to_run(study: dict, loaded: dict[str, dict[str, list[dict]]]) -> str:
+    """The command, the arms as sweep commands, the token budget and the time it took: the sweeps' wall time,
+    summed over every run's share, whichever invocation ran it (a rerun keeps runs finished earlier)."""
     arms = study["arms"]
     budget = ", ".join(f"{name} {len(a['runs'])} runs x {a['steps']} steps" for name, a in arms.items())
+    minutes = {name: sum(r["machine_s"] for rs in loaded[name].values() for r in rs) / 60 for name in arms}
+    per_arm = ", ".join(f"{name} {m:.0f}" for name, m in minutes.items())
     lines = [f"`{study['command']}` ran {sum(len(a['runs']) for a in arms.values())} runs ({budget}; 16 x 128 "
              f"tokens per step, {study['jobs']} runs side by side, each one process with {study['threads']} torch "
-             f"thread(s)) in {study['wall_s'] / 60:.0f} min. Each arm is a Hydra sweep, cut into sweeps of "
+             f"thread(s)) in {sum(minutes.values()):.0f} min of sweeps ({per_arm}), plus scoring and "
+             "plotting. Each arm is a Hydra sweep, cut into sweeps of "
              f"{study['jobs']} jobs run by the `submitit_local` launcher (it starts every job of a sweep at once); "
              "the arm's whole sweep, as a user would type it:"]
     for name, a in arms.items():

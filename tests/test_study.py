@@ -150,7 +150,7 @@ def _fake_run(run_dir, variant, seed, final, spikes=(), status="finished", ratio
           "train_flops": 4e10}
     (run_dir / "eval.json").write_text(json.dumps(ev))
     (run_dir / "study.json").write_text(json.dumps({"status": status, "error": "FloatingPointError: non-finite"
-                                                    if status == "diverged" else None}))
+                                                    if status == "diverged" else None, "machine_s": 30.0}))
 
 
 def test_report_tables_from_fabricated_runs(tmp_path):
@@ -181,6 +181,7 @@ def test_report_tables_from_fabricated_runs(tmp_path):
     write_report(out, report, study)
     text = report.read_text()
     assert "## How to run" in text and "- ablation: `python -m ... ablation`" in text
+    assert "in 14 min of sweeps (main 3, ablation 8, stress 3)" in text  # 6, 16 and 6 runs, 30 s each
     assert "STEM-1/3 beats dense" in text and "(final_valid_loss: below) — **agrees** with the paper" in text
     rows = [line for line in text.splitlines() if line.startswith("| scaled") or line.startswith("| xavier")]
     assert len(rows) == 8 and rows[0].startswith("| scaled / global / lazy (defaults) | 4.5150 [4.5100, 4.5200]")
