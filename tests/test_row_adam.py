@@ -54,10 +54,11 @@ def test_rows_at_both_table_ends(adam):
 
 def test_odd_row_width_matches_deepspeed_per_row():
     """A width that is no multiple of the SIMD span takes DeepSpeed's narrower and scalar tail inside each row;
-    the dense reference then runs the same code per row (a contiguous row block of one row)."""
+    the dense reference then runs the same code per row (a contiguous row block of one row). Consecutive ids
+    (0, 1 and 38, 39) stay separate rows here: as one block their tails would run the vector code."""
     adam = RowAdam(BETAS, EPS, WD)
     vocab, cols = 40, 131
-    ids = torch.tensor([0, 5, 17, 39])
+    ids = torch.tensor([0, 1, 5, 17, 38, 39])
     lazy = tables(vocab, cols)
     ref = tuple(t.clone() for t in lazy)
     for step in (1, 2, 3):

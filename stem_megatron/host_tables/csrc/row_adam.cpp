@@ -15,6 +15,16 @@ namespace {
 // time of 7000 contiguous rows, ~1.5x with it (more lines, two rows ahead or the whole row: no better).
 constexpr int64_t kPrefetchFloats = 256;
 
+// Rows per Step_8 call: a run of consecutive ids is one contiguous block of params, moments and grads, so it
+// is updated by one call (one serial OpenMP region instead of one per row: 0.24 µs each, ~3% of the update of
+// 7000 random rows of 32000 here). Only when a row is a whole number of DeepSpeed's SIMD spans (SIMD_WIDTH x 8
+// floats): then every element runs the same vector code in a run as alone, and as in the whole-table update.
+#ifdef SIMD_WIDTH
+constexpr int64_t kSpan = SIMD_WIDTH * 8;
+#else
+constexpr int64_t kSpan = 0;  // scalar or SVE builds: a row per call
+#endif
+
 inline void prefetch_row(const float* p, const float* m, const float* v, int64_t cols)
 {
     for (int64_t at = 0; at < std::min(cols, kPrefetchFloats); at += 64 / sizeof(float)) {
@@ -25,8 +35,9 @@ inline void prefetch_row(const float* p, const float* m, const float* v, int64_t
 }
 
 // AdamW on rows ids[r] of params/exp_avg/exp_avg_sq with grads[r]: the same per-element math as
-// ds_adam_step over those rows, without gathering them. Rows are spread over OpenMP threads; each row
-// runs DeepSpeed's Step_8 serially (parallel = false) while the next row's start is prefetched.
+// ds_adam_step over those rows, without gathering them. Blocks (a row, or a run of consecutive rows) are
+// spread over OpenMP threads; each runs DeepSpeed's Step_8 serially (parallel = false) while the next
+// block's start is prefetched.
 int row_adam_step(int optimizer_id,
                   size_t step,
                   float lr,
@@ -68,14 +79,22 @@ int row_adam_step(int optimizer_id,
     float* g = grads.data_ptr<float>();
     float* m = exp_avg.data_ptr<float>();
     float* v = exp_avg_sq.data_ptr<float>();
-#pragma omp parallel for schedule(static)
+    const bool merge = kSpan > 0 && cols % kSpan == 0;
+    std::vector<int64_t> starts;  // first index into ids of each block; n at the end
+    starts.reserve(n + 1);
     for (int64_t r = 0; r < n; r++) {
-        const int64_t at = id[r] * cols;
-        if (r + 1 < n) {
-            const int64_t next = id[r + 1] * cols;
+        if (r == 0 || !merge || id[r] != id[r - 1] + 1) starts.push_back(r);
+    }
+    starts.push_back(n);
+    const int64_t blocks = static_cast<int64_t>(starts.size()) - 1;
+#pragma omp parallel for schedule(static)
+    for (int64_t b = 0; b < blocks; b++) {
+        const int64_t r = starts[b], at = id[r] * cols;
+        if (b + 1 < blocks) {
+            const int64_t next = id[starts[b + 1]] * cols;
             prefetch_row(p + next, m + next, v + next, cols);
         }
-        opt->Step_8(p + at, g + r * cols, m + at, v + at, cols, false);
+        opt->Step_8(p + at, g + r * cols, m + at, v + at, (starts[b + 1] - r) * cols, false);
     }
     return 0;
 }
