@@ -8,9 +8,10 @@ NPROC ?= 2
 setup:
 	bash tools/setup.sh
 
-# the demo trains from step 1 every time (runs resume from their checkpoints by default)
+# the demo trains from step 1 every time (runs resume from their checkpoints by default); one OpenMP thread per
+# process unless set, as torchrun would choose (and then print a banner about)
 demo: setup
-	$(VENV)/bin/torchrun --nproc_per_node $(NPROC) -m stem_megatron.train checkpoint.resume=false $(ARGS)
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(VENV)/bin/torchrun --nproc_per_node $(NPROC) -m stem_megatron.train checkpoint.resume=false $(ARGS)
 
 test: setup
 	$(VENV)/bin/python -m pytest -q $(ARGS)

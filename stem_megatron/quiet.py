@@ -14,10 +14,17 @@ that raises it; any other warning, ours (e.g. ``cpu_compat``'s version notice) o
   distributed optimizer call them (our code does not); a megatron upgrade's concern, not a run's
 - the log record "Unknown MLP type: ... Using default kwargs." (``megatron.core.transformer.transformer_layer``):
   megatron does not know our STEM MLP spec by type, once per STEM layer; the default kwargs are the right ones
+- "... it is recommended to set the environment variable CUDA_DEVICE_MAX_CONNECTIONS to 1": megatron's TP linear
+  layers, on a machine without CUDA only (it orders CUDA streams; slurm/_launch.sh sets it for GPU jobs at TP > 1)
+
+Megatron's INFO log records (dataset and DDP configuration dumps) are held back by the Hydra job logging of
+``recipes/hydra/job_logging/stem.yaml``, not here: a user turns them on from the command line.
 """
 
 import logging
 import warnings
+
+import torch
 
 _WARNINGS = (  # (message, category, module): regular expressions matched at the start, as ``-W`` does
     (r"Transformer Engine and Apex are not installed\. Falling back to ", UserWarning, r"megatron\.core\."),
@@ -29,6 +36,10 @@ _WARNINGS = (  # (message, category, module): regular expressions matched at the
     (r"`torch\.distributed\.(reduce_scatter_tensor|all_gather_into_tensor)` is deprecated", FutureWarning,
      r"torch\.distributed\.c10d_logger$"),
 )
+_CPU_ONLY_WARNINGS = (
+    (r"When using (async grad allreduce|sequence parallelism) it is recommended to set the environment variable "
+     r"CUDA_DEVICE_MAX_CONNECTIONS", UserWarning, r"megatron\.core\.tensor_parallel\.layers$"),
+)
 MLP_LOGGER = "megatron.core.transformer.transformer_layer"
 
 
@@ -38,6 +49,6 @@ def _keep(record: logging.LogRecord) -> bool:
 
 def install() -> None:
     """Adds the filters above (idempotent)."""
-    for message, category, module in _WARNINGS:
+    for message, category, module in _WARNINGS + (() if torch.cuda.is_available() else _CPU_ONLY_WARNINGS):
         warnings.filterwarnings("ignore", message, category, module)
     logging.getLogger(MLP_LOGGER).addFilter(_keep)

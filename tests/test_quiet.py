@@ -7,7 +7,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 KNOWN = ("Transformer Engine and Apex are not installed", "Apex is not installed", "full scope is deprecated",
-         "Unknown MLP type")
+         "Unknown MLP type", "CUDA_DEVICE_MAX_CONNECTIONS")  # the last one on a machine without CUDA, as here
 
 
 def _stderr(*args: str) -> str:
@@ -39,6 +39,9 @@ warnings.warn_explicit("Apex is not installed. Falling back to Torch Norm", User
                        module="stem_megatron.ours")
 warnings.warn_explicit("a megatron notice nobody listed", UserWarning, "optimizer.py", 1,
                        module="megatron.core.optimizer")
+warnings.warn_explicit("When using async grad allreduce it is recommended to set the environment variable "
+                       "CUDA_DEVICE_MAX_CONNECTIONS to 1 for maximum speedup", UserWarning, "layers.py", 1,
+                       module="megatron.core.tensor_parallel.layers")
 logging.getLogger(MLP_LOGGER).warning("a megatron log line nobody listed")
 """)
     assert err.count("Apex is not installed") == 1, err  # ours.py's, below
@@ -47,3 +50,30 @@ logging.getLogger(MLP_LOGGER).warning("a megatron log line nobody listed")
                      "ours.py:1: UserWarning: Apex is not installed", "a megatron notice nobody listed",
                      "a megatron log line nobody listed"):
         assert expected in err, (expected, err)
+
+
+def test_training_logs_hold_back_megatron_info_only():
+    """The train config's Hydra job logging (recipes/hydra/job_logging/stem.yaml), applied as Hydra applies it:
+    megatron's INFO records (dataset and DDP configuration dumps) stay off stdout, its warnings and other
+    libraries' INFO records do not, and the documented override brings megatron's INFO back."""
+    script = """
+import logging, logging.config, sys
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+import stem_megatron.recipes  # registers run_schema
+with initialize_config_dir(config_dir=sys.argv[1], version_base=None):
+    cfg = compose("train", overrides=sys.argv[2:], return_hydra_config=True)
+logging.config.dictConfig(OmegaConf.to_container(cfg.hydra.job_logging, resolve=True))
+logging.getLogger("megatron.core.datasets.blended_megatron_dataset_builder").info("megatron info")
+logging.getLogger("megatron.core.distributed").warning("megatron warning")
+logging.getLogger("some.library").info("library info")
+"""
+    def stdout(*overrides):
+        proc = subprocess.run([sys.executable, "-c", script, str(ROOT / "recipes"), *overrides], capture_output=True,
+                              text=True, cwd=ROOT, timeout=300)
+        assert proc.returncode == 0, proc.stderr
+        return proc.stdout.splitlines()
+
+    assert stdout() == ["megatron warning", "library info"]
+    assert stdout("hydra.job_logging.loggers.megatron.level=INFO") == ["megatron info", "megatron warning",
+                                                                       "library info"]
