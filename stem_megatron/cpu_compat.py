@@ -34,6 +34,8 @@ import threading
 import torch
 from torch.overrides import TorchFunctionMode
 
+from stem_megatron import quiet
+
 CHECKED_MEGATRON_CORE = "0.16.1"
 
 _state = threading.local()
@@ -139,6 +141,7 @@ def enable() -> None:
             f"stem_megatron.cpu_compat was checked against megatron-core {CHECKED_MEGATRON_CORE}, "
             f"found {megatron.core.__version__}; run tests/test_cpu_compat.py before trusting results."
         )
+    quiet.install_cpu()
     # "cpu", not an index: autograd runs custom backward functions (megatron's all-to-all) outside
     # the function mode, where an int device would mean CUDA
     torch.cuda.current_device = lambda: "cpu"

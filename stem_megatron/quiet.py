@@ -15,7 +15,8 @@ that raises it; any other warning, ours (e.g. ``cpu_compat``'s version notice) o
 - the log record "Unknown MLP type: ... Using default kwargs." (``megatron.core.transformer.transformer_layer``):
   megatron does not know our STEM MLP spec by type, once per STEM layer; the default kwargs are the right ones
 - "... it is recommended to set the environment variable CUDA_DEVICE_MAX_CONNECTIONS to 1": megatron's TP linear
-  layers, on a machine without CUDA only (it orders CUDA streams; slurm/_launch.sh sets it for GPU jobs at TP > 1)
+  layers; it orders CUDA streams, so only runs on the CPU drop it (``install_cpu``, from ``cpu_compat.enable``);
+  slurm/_launch.sh sets the variable for GPU jobs at TP > 1
 
 Megatron's INFO log records (dataset and DDP configuration dumps) are held back by the Hydra job logging of
 ``recipes/hydra/job_logging/stem.yaml``, not here: a user turns them on from the command line.
@@ -23,8 +24,6 @@ Megatron's INFO log records (dataset and DDP configuration dumps) are held back 
 
 import logging
 import warnings
-
-import torch
 
 _WARNINGS = (  # (message, category, module): regular expressions matched at the start, as ``-W`` does
     (r"Transformer Engine and Apex are not installed\. Falling back to ", UserWarning, r"megatron\.core\."),
@@ -49,6 +48,12 @@ def _keep(record: logging.LogRecord) -> bool:
 
 def install() -> None:
     """Adds the filters above (idempotent)."""
-    for message, category, module in _WARNINGS + (() if torch.cuda.is_available() else _CPU_ONLY_WARNINGS):
+    for message, category, module in _WARNINGS:
         warnings.filterwarnings("ignore", message, category, module)
     logging.getLogger(MLP_LOGGER).addFilter(_keep)
+
+
+def install_cpu() -> None:
+    """Adds the filters of notices about CUDA that mean nothing on the CPU (idempotent)."""
+    for message, category, module in _CPU_ONLY_WARNINGS:
+        warnings.filterwarnings("ignore", message, category, module)
