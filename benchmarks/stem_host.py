@@ -1,10 +1,10 @@
 """Host-resident STEM tables on this machine: what the row store costs next to its bounds.
 
-Four comparisons, each measured side by side in one run (rounds interleaved, medians reported):
+Three comparisons, each measured side by side in one run (rounds interleaved, medians reported):
 
 1. row gather: ``U_l[uniq, cols]`` (``index_select`` of the unique rows) vs a plain memcpy of the same
    bytes; goal >= 70% of memcpy bandwidth.
-2. CPU Adam on the touched rows (``RowAdam.update_rows``: DeepSpeed's AVX step on each row in place,
+2. CPU Adam on the touched rows (``RowAdam.update_rows``: DeepSpeed's AVX step on each run of rows in place,
    by index) vs DeepSpeed CPU Adam over the whole table vs ``torch.optim.SparseAdam``, with a memcpy
    of the touched rows' bytes interleaved as the bandwidth bound. Goals: memory traffic per second
    >= 70% of memcpy's (an update must read p, g, m, v and write p, m, v: 7 row streams; a memcpy reads
@@ -13,9 +13,9 @@ Four comparisons, each measured side by side in one run (rounds interleaved, med
    same ids and for as many ids spread over the larger table.
 3. a training step with the host store + prefetch vs the on-device row source (same tiny model,
    one process); goal <= 1.10x.
-4. bytes communicated per step per rank for the STEM DP sync (union of ids + one all-reduce of the
-   touched rows) vs an all-to-all MoE dispatch+combine of the same batch, from the real corpus'
-   token counts at the paper's 1B width.
+
+Bytes between nodes (the row exchange against Hash-MoE's all-to-all, ids from the 128k-vocabulary profile):
+``benchmarks/row_sync.py``.
 
 Run: ``.venv/bin/python benchmarks/stem_host.py [--json]``.
 """
@@ -26,9 +26,7 @@ import argparse
 import json
 import statistics
 import time
-from pathlib import Path
 
-import numpy as np
 import torch
 
 from stem_megatron import parallel
@@ -166,26 +164,8 @@ def step_time(steps: int = 12) -> dict:
             "prefetch_wait_s_total": waited, "cpu_adam_s_last_steps": stats["stem_cpu_adam_s"]}
 
 
-def comm_bytes(corpus: Path, d=2048, d_ff=8192, global_batch=512, seq=4096, dp=8) -> dict:
-    """Per rank, per STEM/MoE layer, per step, for a global batch of the real corpus at 1B width."""
-    from megatron.core.datasets.indexed_dataset import IndexedDataset
-
-    docs = IndexedDataset(str(corpus / "train"))
-    stream = torch.from_numpy(np.concatenate([docs[i] for i in range(len(docs))]).astype(np.int64))
-    n = min(global_batch, len(stream) // seq)
-    tokens = stream[: n * seq].view(n, seq)  # the first n packed sequences
-    per_rank = n * seq // dp
-    uniq_global = int(torch.unique(tokens).numel())
-    uniq_rank = statistics.mean(int(torch.unique(c).numel()) for c in tokens.chunk(dp))
-    stem = 8 * uniq_rank * (dp - 1) + 2 * (dp - 1) / dp * uniq_global * d_ff * 4  # id all-gather + ring all-reduce
-    moe = 2 * per_rank * d * 4 * (dp - 1) / dp  # dispatch + combine of every token's hidden state
-    return {"tokens_per_step": n * seq, "unique_tokens": uniq_global, "stem_bytes": stem, "moe_all_to_all_bytes": moe,
-            "moe_over_stem": moe / stem, "dp": dp, "d": d, "d_ff": d_ff}
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--corpus", default="data_cache/python-doc", type=Path)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     torch.manual_seed(0)
@@ -197,8 +177,7 @@ def main() -> None:
         step = step_time()
     finally:
         parallel.destroy()
-    comm = comm_bytes(args.corpus)
-    result = {"gather": gather, "adam": adam, "step": step, "comm": comm}
+    result = {"gather": gather, "adam": adam, "step": step}
     if args.json:
         print(json.dumps(result, indent=2))
         return
@@ -219,9 +198,6 @@ def main() -> None:
     print(f"   (ratios: medians over {adam['rounds']} rounds of ratios within a round)")
     print(f"3. training step, host store + prefetch vs device table: {step['host_vs_device']:.2f}x "
           f"({step['seconds']['host'] * 1e3:.0f} vs {step['seconds']['device'] * 1e3:.0f} ms; goal <= 1.10x)")
-    print(f"4. bytes/rank/layer/step, {comm['tokens_per_step']:,} tokens ({comm['unique_tokens']:,} unique), "
-          f"DP={comm['dp']}, d={comm['d']}, d_ff={comm['d_ff']}: STEM sync {comm['stem_bytes'] / 1e6:.0f} MB "
-          f"vs MoE all-to-all {comm['moe_all_to_all_bytes'] / 1e6:.0f} MB ({comm['moe_over_stem']:.1f}x)")
 
 
 if __name__ == "__main__":
