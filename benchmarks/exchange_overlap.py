@@ -23,11 +23,16 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
-from tokenizers import Tokenizer, models
-from torch.distributed.elastic.utils.distributed import get_free_port
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's stem_megatron, installed or not
+from stem_megatron.setup_check import require_environment  # noqa: E402
 
-from stem_megatron.data.tokenizer import EOD_TOKEN
+require_environment()  # before torch and megatron: another Python gets `make setup`, not a traceback
+
+import numpy as np  # noqa: E402
+from tokenizers import Tokenizer, models  # noqa: E402
+from torch.distributed.elastic.utils.distributed import get_free_port  # noqa: E402
+
+from stem_megatron.data.tokenizer import EOD_TOKEN  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
 from row_sync import DEFAULT_COUNTS, load_counts  # noqa: E402

@@ -22,23 +22,29 @@ import argparse
 import itertools
 import json
 import statistics
+import sys
 import time
 from fractions import Fraction
 from functools import partial
+from pathlib import Path
 
-import stem_megatron  # noqa: F401 - before megatron: its warning filters (stem_megatron/quiet.py)
-import torch
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-from megatron.core.transformer.spec_utils import build_module
-from torch.utils.flop_counter import FlopCounterMode
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's stem_megatron, installed or not
+from stem_megatron.setup_check import require_environment  # noqa: E402
 
-from stem_megatron import parallel
-from stem_megatron.config import ModelConfig, ParallelConfig, RunConfig, STEMConfig, TrainConfig
-from stem_megatron.model.gpt import transformer_config
-from stem_megatron.model.specs import stem_mlp_spec
-from stem_megatron.model.token_context import token_ids
-from stem_megatron.training.setup import setup_model
-from stem_megatron.training.step import forward_backward
+require_environment()  # before torch and megatron: another Python gets `make setup`, not a traceback
+
+import torch  # noqa: E402
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: E402
+from megatron.core.transformer.spec_utils import build_module  # noqa: E402
+from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
+
+from stem_megatron import parallel  # noqa: E402
+from stem_megatron.config import ModelConfig, ParallelConfig, RunConfig, STEMConfig, TrainConfig  # noqa: E402
+from stem_megatron.model.gpt import transformer_config  # noqa: E402
+from stem_megatron.model.specs import stem_mlp_spec  # noqa: E402
+from stem_megatron.model.token_context import token_ids  # noqa: E402
+from stem_megatron.training.setup import setup_model  # noqa: E402
+from stem_megatron.training.step import forward_backward  # noqa: E402
 
 MODEL = ModelConfig(name="bench", num_layers=6, hidden_size=256, ffn_hidden_size=768, num_attention_heads=4,
                     vocab_size=4096, seq_length=128)

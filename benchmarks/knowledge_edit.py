@@ -22,7 +22,12 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from stem_megatron.parallel import child_env
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's stem_megatron, installed or not
+from stem_megatron.setup_check import corpus_problem, require_environment  # noqa: E402
+
+require_environment()  # before torch and megatron: another Python gets `make setup`, not a traceback
+
+from stem_megatron.parallel import child_env  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 CORPUS = ROOT / "data_cache" / "python-doc"
@@ -81,6 +86,8 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--out", type=Path, default=Path("runs/knowledge_edit"))
     args = parser.parse_args()
+    if problem := corpus_problem(CORPUS):
+        parser.error(problem)
     build(args.out)
     with ThreadPoolExecutor(args.jobs) as pool:
         futures = {name: pool.submit(train, args.out / f"run{i}", overrides, args.steps)

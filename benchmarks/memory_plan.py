@@ -36,10 +36,15 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's stem_megatron, installed or not
+from stem_megatron.setup_check import require_environment  # noqa: E402
 
-from stem_megatron.flops.memory import GIB, LIBRARY_BYTES, Layout, plan, print_plan
-from stem_megatron.recipes import compose_run
+require_environment()  # before torch and megatron: another Python gets `make setup`, not a traceback
+
+import torch  # noqa: E402
+
+from stem_megatron.flops.memory import GIB, LIBRARY_BYTES, Layout, plan, print_plan  # noqa: E402
+from stem_megatron.recipes import compose_run  # noqa: E402
 
 POLL_S = 0.05
 STEPS = 2

@@ -31,9 +31,14 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
-import torch
-from torch.distributed.elastic.utils.distributed import get_free_port
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's stem_megatron, installed or not
+from stem_megatron.setup_check import require_environment  # noqa: E402
+
+require_environment()  # before torch and megatron: another Python gets `make setup`, not a traceback
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from torch.distributed.elastic.utils.distributed import get_free_port  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_COUNTS = REPO.parent / "shared" / "data" / "token_counts_128k.npy"

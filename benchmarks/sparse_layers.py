@@ -28,7 +28,7 @@ layer ``E * 3 d d_e = 2 d d_ff + V d_ff``, so d_e = 576 for d=256, d_ff=768, V=4
 runs one expert, so Hash-MoE's per-token FFN FLOPs there are d_e/d_ff = 3/4 of dense, STEM's 2/3.
 
 Batches come from the prepared corpus (``--corpus``; the real token distribution decides how many
-distinct ids STEM syncs), uniform random ids if it is missing.
+distinct ids STEM syncs).
 
 Run: ``.venv/bin/python benchmarks/sparse_layers.py [--rounds N] [--json]`` (CPU, spawns 2 processes).
 """
@@ -46,12 +46,19 @@ import sys
 import time
 from pathlib import Path
 
-import torch
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's stem_megatron, installed or not
+from stem_megatron.setup_check import require_environment  # noqa: E402
+
+require_environment()  # before torch and megatron: another Python gets `make setup`, not a traceback
+
+import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-import distributed  # tests/distributed.py: spawns gloo ranks with megatron initialised
+import distributed  # noqa: E402 - tests/distributed.py: spawns gloo ranks with megatron initialised
 
-from stem_megatron.config import (
+from stem_megatron.config import (  # noqa: E402
+    ConfigError,
+    DataConfig,
     ModelConfig,
     ParallelConfig,
     RunConfig,
@@ -77,7 +84,7 @@ def matched_expert_ffn(model: ModelConfig, experts: int) -> int:
     return stem_layer // (3 * d * experts)
 
 
-def configs(rounds: int, warmup: int) -> dict[str, RunConfig]:
+def configs(rounds: int, warmup: int, corpus: Path) -> dict[str, RunConfig]:
     expert_ffn = matched_expert_ffn(MODEL, EXPERTS)
     train = TrainConfig(steps=rounds + warmup, micro_batch_size=MICRO_BATCH, global_batch_size=GLOBAL_BATCH,
                         lr=1e-3, seed=SEED)
@@ -88,7 +95,9 @@ def configs(rounds: int, warmup: int) -> dict[str, RunConfig]:
                                     expert_ffn_hidden_size=expert_ffn),
                          ParallelConfig(expert_model_parallel_size=EP)),
     }
-    return {name: RunConfig(model=MODEL, stem=s, parallel=p, train=train) for name, (s, p) in stems.items()}
+    data = DataConfig(dir=str(corpus))
+    return {name: RunConfig(model=MODEL, stem=s, parallel=p, train=train, data=data)
+            for name, (s, p) in stems.items()}
 
 
 # ---- observed collective traffic ----
@@ -168,18 +177,9 @@ def _batches(corpus: Path, dp_rank: int, dp: int, n_micro: int, samples: int):
     from stem_megatron.data.datasets import build_datasets
     from stem_megatron.data.tokenizer import HFTokenizer
 
-    if (corpus / "train.idx").exists():
-        train, _ = build_datasets(HFTokenizer(corpus / "tokenizer.json"), [(1.0, str(corpus / "train"))],
-                                  MODEL.seq_length, samples, SEED, corpus / "index_cache", MODEL.vocab_size)
-        return micro_batches(train, MICRO_BATCH, dp_rank, dp, num_micro_batches=n_micro)
-
-    def uniform():
-        g = torch.Generator().manual_seed(SEED + dp_rank)
-        while True:
-            s = torch.randint(0, MODEL.vocab_size, (MICRO_BATCH, MODEL.seq_length + 1), generator=g)
-            yield {"tokens": s[:, :-1].contiguous(), "labels": s[:, 1:].contiguous()}
-
-    return uniform()
+    train, _ = build_datasets(HFTokenizer(corpus / "tokenizer.json"), [(1.0, str(corpus / "train"))],
+                              MODEL.seq_length, samples, SEED, corpus / "index_cache", MODEL.vocab_size)
+    return micro_batches(train, MICRO_BATCH, dp_rank, dp, num_micro_batches=n_micro)
 
 
 def _static(trainer) -> dict:
@@ -342,10 +342,13 @@ def main() -> None:
     if args.rounds < 2:
         parser.error("--rounds must be >= 2 (the time ratios report quartiles)")
     start = time.perf_counter()
-    cfgs = configs(args.rounds, args.warmup)
-    for cfg in cfgs.values():
-        validate(cfg, WORLD)
-    source = "corpus " + str(args.corpus) if (args.corpus / "train.idx").exists() else "uniform random ids"
+    cfgs = configs(args.rounds, args.warmup, args.corpus)
+    try:
+        for cfg in cfgs.values():
+            validate(cfg, WORLD)
+    except ConfigError as e:  # e.g. no corpus in --corpus: the message names the fix
+        parser.error(str(e))
+    source = f"corpus {args.corpus}"
     ranks = distributed.run(_bench, WORLD, cfgs, args.rounds, args.warmup, str(args.corpus.resolve()), ep=EP,
                             seed=SEED)
     res = summarize(ranks, args.rounds)

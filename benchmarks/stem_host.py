@@ -25,13 +25,20 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
+from pathlib import Path
 
-import torch
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's stem_megatron, installed or not
+from stem_megatron.setup_check import require_environment  # noqa: E402
 
-from stem_megatron import parallel
-from stem_megatron.config import ModelConfig, RunConfig, STEMConfig, TrainConfig
-from stem_megatron.host_tables.row_adam import RowAdam
+require_environment()  # before torch and megatron: another Python gets `make setup`, not a traceback
+
+import torch  # noqa: E402
+
+from stem_megatron import parallel  # noqa: E402
+from stem_megatron.config import ModelConfig, RunConfig, STEMConfig, TrainConfig  # noqa: E402
+from stem_megatron.host_tables.row_adam import RowAdam  # noqa: E402
 
 ROUNDS = 7
 ADAM_ROUNDS = 15  # item 2's ratios are medians of per-round ratios; more rounds under load

@@ -29,9 +29,14 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from submitit.core.utils import JobPaths, pickle_load
-
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # this checkout's stem_megatron, installed or not
+from stem_megatron.setup_check import corpus_problem, require_environment  # noqa: E402
+
+require_environment()  # before torch and megatron: another Python gets `make setup`, not a traceback
+
+from submitit.core.utils import JobPaths, pickle_load  # noqa: E402
+
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from study_arms import VARIANTS, Arm, arms, chunks, sweep_command  # noqa: E402
@@ -178,8 +183,8 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if not 0 < args.facts_share < 100:
         p.error(f"--facts-share {args.facts_share} must be between 1 and 99 (percent)")
-    if not (args.data_dir / "tokenizer.json").is_file():
-        p.error(f"{args.data_dir}/tokenizer.json is missing: run `bash tools/setup.sh` first (it builds the corpus)")
+    if problem := corpus_problem(args.data_dir):
+        p.error(problem)
     name = f"facts-{args.subjects}x{args.answers}x{args.repeats}"
     args.facts_prefix = ((args.facts_dir or args.data_dir) / name).resolve()
     return args

@@ -16,17 +16,23 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
-from stem_megatron.data.facts import Facts
-from stem_megatron.eval.facts import edit_success, fact_recall
-from stem_megatron.eval.perplexity import held_out_perplexity
-from stem_megatron.flops.arch import arch_from_model_config
-from stem_megatron.flops.mfu import model_flops_per_token
-from stem_megatron.flops.params import analytic_parameters
-from stem_megatron.flops.variants import variant_from_stem_config
-from stem_megatron.inference.model import InferenceModel
-from stem_megatron.model.stem_mlp import STEM_VARIANTS
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's stem_megatron, installed or not
+from stem_megatron.setup_check import require_environment  # noqa: E402
+
+require_environment()  # before torch and megatron: another Python gets `make setup`, not a traceback
+
+from stem_megatron.data.facts import Facts  # noqa: E402
+from stem_megatron.eval.facts import edit_success, fact_recall  # noqa: E402
+from stem_megatron.eval.perplexity import held_out_perplexity  # noqa: E402
+from stem_megatron.flops.arch import arch_from_model_config  # noqa: E402
+from stem_megatron.flops.mfu import model_flops_per_token  # noqa: E402
+from stem_megatron.flops.params import analytic_parameters  # noqa: E402
+from stem_megatron.flops.variants import variant_from_stem_config  # noqa: E402
+from stem_megatron.inference.model import InferenceModel  # noqa: E402
+from stem_megatron.model.stem_mlp import STEM_VARIANTS  # noqa: E402
 
 
 def evaluate(run_dir: Path, facts_prefix: Path, valid_windows: int, edit_pairs: int) -> dict:

@@ -13,8 +13,9 @@ from typing import Optional
 import torch
 from omegaconf import OmegaConf
 
-from stem_megatron.data.integrity import check_indexed_dataset
+from stem_megatron.data.integrity import DataError, check_indexed_dataset
 from stem_megatron.layer_plan import RATIOS, VARIANTS, stem_layer_indices
+from stem_megatron.setup_check import corpus_problem
 
 
 class ConfigError(ValueError):
@@ -185,8 +186,8 @@ def _check(ok: bool, field_name: str, message: str) -> None:
 def _validate_data(d: DataConfig) -> None:
     """Blend shape and weights, and every prefix complete on disk (header and sizes; token ids are
     checked against the vocabulary when the datasets are built)."""
-    _check((Path(d.dir) / "tokenizer.json").is_file(), "data.dir",
-           f"{d.dir}/tokenizer.json not found: prepare the corpus (tools/setup.sh, stem-preprocess)")
+    problem = corpus_problem(Path(d.dir))
+    _check(problem is None, "data.dir", problem)
     _check(d.blend is None or len(d.blend) > 0, "data.blend", "is empty: give [[weight, prefix], ...] or null")
     for i, entry in enumerate(d.blend or []):
         ok = isinstance(entry, (list, tuple)) and len(entry) == 2 and isinstance(entry[1], str)
@@ -199,7 +200,7 @@ def _validate_data(d: DataConfig) -> None:
         for prefix in prefixes:
             try:
                 check_indexed_dataset(prefix)
-            except ValueError as e:
+            except DataError as e:
                 raise ConfigError(f"{field_name}: {e}") from None
 
 

@@ -322,7 +322,7 @@ def test_data_config_validation(corpus):
             validate(cfg(blend=blend), 1)
     with pytest.raises(ConfigError, match=r"^data\.valid_prefixes: .*nope\.idx: missing"):
         validate(cfg(valid_prefixes=["nope"]), 1)
-    with pytest.raises(ConfigError, match=r"^data\.dir: .*tokenizer\.json not found"):
+    with pytest.raises(ConfigError, match=r"^data\.dir: .*tokenizer\.json is missing: `make setup` builds the demo"):
         validate(RunConfig(data=DataConfig(dir=str(corpus / "absent"))), 1)
 
 

@@ -28,11 +28,14 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-import numpy as np
-import torch
-import torch.nn.functional as F
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's stem_megatron, installed or not
+from stem_megatron.setup_check import require_environment  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+require_environment()  # before torch and megatron: another Python gets `make setup`, not a traceback
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 
 QUANTILES = (0.01, 0.05, 0.25, 0.5, 0.75, 0.95, 0.99)
 BINS = 100

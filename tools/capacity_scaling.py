@@ -23,11 +23,12 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
-import numpy as np
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's stem_megatron, installed or not
+from stem_megatron.setup_check import require_environment  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+require_environment()  # before torch and megatron: another Python gets `make setup`, not a traceback
 
-import stem_megatron  # noqa: E402,F401 - before megatron: its warning filters (stem_megatron/quiet.py)
+import numpy as np  # noqa: E402
 
 DEFAULT_LENGTHS = "64,128,256,512,1024,2048,4096"
 

@@ -8,9 +8,12 @@ Same arguments as ``stem-flops`` (``stem_megatron.flops.cli.main``); see docs/fl
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's stem_megatron, installed or not
+from stem_megatron.setup_check import require_environment  # noqa: E402
 
-from stem_megatron.flops.cli import main
+require_environment()  # another Python gets `make setup`, not a traceback
+
+from stem_megatron.flops.cli import main  # noqa: E402
 
 if __name__ == "__main__":
     main()

@@ -20,12 +20,16 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-import matplotlib
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's stem_megatron, installed or not
+from stem_megatron.setup_check import require_environment  # noqa: E402
+
+require_environment()  # before torch and megatron: another Python gets `make setup`, not a traceback
+
+import matplotlib  # noqa: E402
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from stem_megatron.training.spikes import SpikeDetector  # noqa: E402
 
 

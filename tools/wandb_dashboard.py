@@ -19,7 +19,10 @@ import argparse
 import copy
 import json
 import sys
+from pathlib import Path
 from typing import Any, Optional
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's stem_megatron, installed or not
 
 DASHBOARD: dict[str, Any] = {
     "title": "STEM variants: loss, loss spikes, grad norm",
@@ -156,6 +159,10 @@ def main(argv: Optional[list[str]] = None) -> None:
     spec = copy.deepcopy(DASHBOARD)
     if args.title:
         spec["title"] = args.title
+    if args.viewspec or not args.dry_run:  # these build the report with wandb_workspaces
+        from stem_megatron.setup_check import require_environment
+
+        require_environment()
     if args.dry_run:
         out = {"entity": args.entity or "<entity>", "project": args.project, "filters": args.filters,
                "dashboard": spec}

@@ -23,8 +23,12 @@ _HEADER = struct.Struct("<9sQBQQ")  # magic, version, dtype code, sequence count
 FIX = "re-run stem-preprocess (or `python -m stem_megatron.data.corpus` for the demo corpus) to rebuild it"
 
 
+class DataError(ValueError):
+    """Bad data: the message names the file or the token id, the problem and the fix."""
+
+
 def check_token_ids(tokens, vocab_size):
-    """Raise ValueError if any id is outside ``[0, vocab_size)``.
+    """Raise DataError if any id is outside ``[0, vocab_size)``.
 
     Out-of-range ids would otherwise surface as an opaque embedding index error (or a device-side
     assert on GPU). The min/max check keeps the common, valid case cheap.
@@ -37,14 +41,14 @@ def check_token_ids(tokens, vocab_size):
     position = bad[0] if len(bad) == 1 else bad
     token = int(ids[bad])
     problem = "negative" if token < 0 else f">= vocab_size {vocab_size}"
-    raise ValueError(
+    raise DataError(
         f"token id {token} at position {position} is {problem} (vocab_size {vocab_size}); the tokenizer "
         f"and model.vocab_size disagree: model.vocab_size must cover every tokenizer id"
     )
 
 
 def _fail(path, problem):
-    raise ValueError(f"{path}: {problem}; {FIX}")
+    raise DataError(f"{path}: {problem}; {FIX}")
 
 
 def _size_problem(actual, expected, what):
@@ -53,7 +57,7 @@ def _size_problem(actual, expected, what):
 
 
 def check_indexed_dataset(prefix, vocab_size=None) -> int:
-    """Raise ValueError unless ``prefix.{idx,bin}`` form a complete dataset; returns its token count.
+    """Raise DataError unless ``prefix.{idx,bin}`` form a complete dataset; returns its token count.
 
     With ``vocab_size`` every token id is also checked to lie in ``[0, vocab_size)`` (one min/max pass
     over the memory-mapped tokens), so a tokenizer/model vocabulary mismatch fails here.
@@ -90,7 +94,7 @@ def check_indexed_dataset(prefix, vocab_size=None) -> int:
     if vocab_size is not None and num_tokens:
         try:
             check_token_ids(np.memmap(bin_, dtype=dtype, mode="r"), vocab_size)
-        except ValueError as e:
-            raise ValueError(f"{bin_}: {e} (or the dataset was tokenized with another tokenizer: re-run "
+        except DataError as e:
+            raise DataError(f"{bin_}: {e} (or the dataset was tokenized with another tokenizer: re-run "
                              f"stem-preprocess with this run's tokenizer.json)") from None
     return num_tokens
