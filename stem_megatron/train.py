@@ -3,22 +3,42 @@
 Recipes live in ``recipes/`` (composed as ``stem_megatron/recipes.py`` says) and are checked against the
 typed ``RunConfig`` schema, so a misspelt key or a wrong type fails at composition, before any process
 group starts.
+
+Bad input (a setting, a checkpoint, the data, too little host memory) ends the run with one line naming the
+problem and the fix and exit code 1, not a traceback: each of these errors says all a user needs.
 """
 
 from __future__ import annotations
 
+import os
+import sys
+
 import hydra
 from omegaconf import DictConfig
 
-from stem_megatron.config import to_run_config
+from stem_megatron.config import ConfigError, to_run_config
 from stem_megatron.recipes import RECIPES
 
 
 @hydra.main(version_base=None, config_path=RECIPES, config_name="train")
 def main(cfg: DictConfig) -> None:
+    from stem_megatron.checkpoint.atomic import CheckpointError
+    from stem_megatron.data.integrity import DataError
+    from stem_megatron.host_tables.node import HostMemoryError
     from stem_megatron.training.loop import run
 
-    run(to_run_config(cfg))
+    try:
+        run(to_run_config(cfg))
+    except (ConfigError, CheckpointError, DataError, HostMemoryError) as e:
+        report(e)
+        sys.exit(1)
+
+
+def report(error: Exception) -> None:
+    """One line on stderr, from every rank that has the error: the first rank to exit makes torchrun stop the
+    others, so no single rank is sure to get as far as printing."""
+    where = f"[rank {os.environ['RANK']}] " if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
+    print(f"{where}error: {error}", file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":
