@@ -144,7 +144,16 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def main(argv=None) -> int:
+    """Bad input (an export, words that share tokens, layers, an edit log) is one line naming it, not a
+    traceback: the edit and inference code raise ValueError (ExportError) for nothing else."""
     args = parse_args(argv)
+    try:
+        return run(args)
+    except ValueError as e:
+        raise SystemExit(f"stem-edit: error: {e}") from None
+
+
+def run(args: argparse.Namespace) -> int:
     from stem_megatron.inference.model import InferenceModel
 
     model = InferenceModel(args.export, device=args.device)

@@ -69,8 +69,14 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
-    """Console entry point (returns None: setuptools' wrapper exits with main's return value)."""
-    evaluate(parse_args(argv))
+    """Console entry point (returns None: setuptools' wrapper exits with main's return value). Bad input (an
+    export, a dataset, a task file, a length) is one line naming it and the fix, not a traceback: the evaluation
+    code raises ValueError (ExportError, DataError) or FileNotFoundError for nothing else."""
+    args = parse_args(argv)
+    try:
+        evaluate(args)
+    except (ValueError, FileNotFoundError) as e:
+        raise SystemExit(f"stem-eval: error: {e}") from None
 
 
 def evaluate(args: argparse.Namespace) -> dict:

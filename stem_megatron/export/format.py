@@ -88,7 +88,7 @@ def read_export(path) -> tuple[RunConfig, dict[str, torch.Tensor], Optional[Path
     """
     root = Path(path)
     if not root.is_dir():
-        raise ExportError(f"export directory {root} does not exist (write one with write_export)")
+        raise ExportError(f"export directory {root} does not exist (a run writes one with checkpoint.export=DIR)")
     config_file, weights_file = root / CONFIG, root / WEIGHTS
     for f in (config_file, weights_file):
         if not f.is_file():

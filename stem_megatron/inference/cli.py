@@ -60,8 +60,14 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
-    """Console entry point (returns None: setuptools' wrapper exits with main's return value)."""
-    run(parse_args(argv))
+    """Console entry point (returns None: setuptools' wrapper exits with main's return value). Bad input (an
+    export, prompt ids, a length) is one line naming it, not a traceback: the inference code raises ValueError
+    (ExportError, DataError) for nothing else."""
+    args = parse_args(argv)
+    try:
+        run(args)
+    except ValueError as e:
+        raise SystemExit(f"stem-generate: error: {e}") from None
 
 
 def run(args: argparse.Namespace) -> dict:
