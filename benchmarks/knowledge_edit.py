@@ -23,14 +23,13 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's stem_megatron, installed or not
-from stem_megatron.setup_check import corpus_problem, require_environment  # noqa: E402
+from stem_megatron.setup_check import DEMO_CORPUS, corpus_problem, require_environment  # noqa: E402
 
 require_environment()  # before torch and megatron: another Python gets `make setup`, not a traceback
 
 from stem_megatron.parallel import child_env  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-CORPUS = ROOT / "data_cache" / "python-doc"
 
 CONFIGS = {  # name -> Hydra overrides
     "STEM-full": ["variant=stem_full"],
@@ -46,7 +45,7 @@ def build(out: Path) -> Path:
 
     prefix = out / "facts"
     if not prefix.with_suffix(".json").exists():
-        build_facts(CORPUS / "tokenizer.json", prefix, num_subjects=100, num_answers=16, repeats=200)
+        build_facts(DEMO_CORPUS / "tokenizer.json", prefix, num_subjects=100, num_answers=16, repeats=200)
     return prefix
 
 
@@ -56,7 +55,7 @@ def train(out: Path, overrides: list[str], steps: int = 100) -> Path:
     facts_prefix = build(out.parent)
     shutil.rmtree(out, ignore_errors=True)  # a fresh run and export every time
     cmd = [sys.executable, "-m", "stem_megatron.train", "parallel=single", "stem.placement=device",
-           f"train.steps={steps}", "train.eval_iters=0", f"data.dir={CORPUS}",
+           f"train.steps={steps}", "train.eval_iters=0", f"data.dir={DEMO_CORPUS}",
            f"data.blend=[[1,'{facts_prefix}']]", f"out_dir={out}", "checkpoint.resume=false",
            f"checkpoint.export={out / 'export'}", *overrides]
     env = child_env(OMP_NUM_THREADS="1")  # the thread count changes float sums, hence the rates
@@ -86,7 +85,7 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--out", type=Path, default=Path("runs/knowledge_edit"))
     args = parser.parse_args()
-    if problem := corpus_problem(CORPUS):
+    if problem := corpus_problem(DEMO_CORPUS):
         parser.error(problem)
     build(args.out)
     with ThreadPoolExecutor(args.jobs) as pool:
