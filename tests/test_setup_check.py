@@ -40,7 +40,7 @@ def test_from_elsewhere_the_fix_names_the_checkout(bare_python, tmp_path):
                                 f"{ROOT}/benchmarks/stem_host.py`\n"), proc.stderr
 
 
-def test_the_projects_python_passes(tmp_path):
+def test_the_projects_python_passes():
     proc = subprocess.run([sys.executable, "-c", "from stem_megatron.setup_check import environment_problem; "
                            "print(environment_problem())"], capture_output=True, text=True, timeout=60)
     assert proc.stdout == "None\n", proc.stderr
