@@ -146,11 +146,14 @@ class CollectiveTally:
             setattr(dist, op, wrapped[getattr(dist, op)])
         for mod in (buffer_mod, mappings_mod):  # they bind all-gather/reduce-scatter at import
             for name in ("dist_all_gather_func", "dist_reduce_scatter_func"):
-                fn = getattr(mod, name)
+                owner, attr = mod, name
+                if getattr(getattr(mod, name), "one_rank_identity", False):  # cpu_compat's skip of one-rank DP
+                    owner, attr = getattr(mod, name), "collective"
+                fn = getattr(owner, attr)
                 if fn not in wrapped:
                     raise RuntimeError(f"{mod.__name__}.{name} is {fn}, not a wrapped torch collective: "
                                        f"the observed bytes would miss it")
-                setattr(mod, name, wrapped[fn])
+                setattr(owner, attr, wrapped[fn])
 
     def _wrap(self, dist, op):
         fn = getattr(dist, op)
@@ -205,7 +208,7 @@ def _static(trainer) -> dict:
     }
 
 
-def _bench(cfgs: dict, rounds: int, warmup: int, corpus: str) -> dict:
+def _bench(cfgs: dict, rounds: int, warmup: int) -> dict:
     """One rank: build the three trainers, step them round-robin, return times and byte counts."""
     import torch.distributed as dist
     from megatron.core import parallel_state
@@ -223,7 +226,7 @@ def _bench(cfgs: dict, rounds: int, warmup: int, corpus: str) -> dict:
     streams, data = contextlib.ExitStack(), {}
     for name, trainer in trainers.items():  # the same batches for every variant
         data[name] = streams.enter_context(
-            with_rows(_batches(Path(corpus), dp_rank, dp, n_micro, samples), trainer.store, n_micro))
+            with_rows(_batches(Path(cfgs[name].data.dir), dp_rank, dp, n_micro, samples), trainer.store, n_micro))
     out = {name: {"static": _static(t), "times": [], "stem_bytes_sent": [], "stem_bytes_to_device": [],
                   "moe_all_to_all_bytes": [], "loss": []} for name, t in trainers.items()}
     names = list(trainers)
@@ -342,15 +345,14 @@ def main() -> None:
     if args.rounds < 2:
         parser.error("--rounds must be >= 2 (the time ratios report quartiles)")
     start = time.perf_counter()
-    cfgs = configs(args.rounds, args.warmup, args.corpus)
+    cfgs = configs(args.rounds, args.warmup, args.corpus.resolve())
     try:
         for cfg in cfgs.values():
             validate(cfg, WORLD)
     except ConfigError as e:  # e.g. no corpus in --corpus: the message names the fix
         parser.error(str(e))
     source = f"corpus {args.corpus}"
-    ranks = distributed.run(_bench, WORLD, cfgs, args.rounds, args.warmup, str(args.corpus.resolve()), ep=EP,
-                            seed=SEED)
+    ranks = distributed.run(_bench, WORLD, cfgs, args.rounds, args.warmup, ep=EP, seed=SEED)
     res = summarize(ranks, args.rounds)
     seconds = time.perf_counter() - start
     expert_ffn = cfgs["hash-moe-1/3"].stem.expert_ffn_hidden_size

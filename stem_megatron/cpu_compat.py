@@ -79,16 +79,18 @@ def _noop(*_args, **_kwargs) -> None:
 
 def _one_rank_identity(collective):
     """``collective(output, input, ...)`` of megatron DDP's buckets, skipped on a one-rank group (the
-    output then holds the input: megatron passes the rank's shard, the whole buffer, as one of them)."""
+    output then holds the input: megatron passes the rank's shard, the whole buffer, as one of them).
+    ``call.collective`` is what runs on larger groups: a tool that counts collectives wraps that."""
 
     def call(output, input, *args, group=None, async_op=False, **kwargs):
         if torch.distributed.get_world_size(group) == 1:
             if output.data_ptr() != input.data_ptr():
                 output.view(-1).copy_(input.view(-1))
             return None
-        return collective(output, input, *args, group=group, async_op=async_op, **kwargs)
+        return call.collective(output, input, *args, group=group, async_op=async_op, **kwargs)
 
     call.one_rank_identity = True
+    call.collective = collective
     return call
 
 
