@@ -7,6 +7,7 @@ process group starts, so a bad field fails in a second with a message that names
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from importlib.util import find_spec
 from pathlib import Path
 from typing import Optional
 
@@ -211,9 +212,10 @@ def validate(cfg: RunConfig, world_size: int) -> int:
     _check(s.placement != "host" or Path(s.shm_dir).is_dir(), "stem.shm_dir",
            f"{s.shm_dir} is not a directory: give a tmpfs directory every rank of a node sees (e.g. /dev/shm)")
     if s.variant == "hash_moe" and cfg.parallel.tensor_model_parallel_size > 1:
-        _check(torch.cuda.is_available(), "parallel.tensor_model_parallel_size",
-               "Hash-MoE with TP>1 needs sequence parallelism, which megatron-core 0.16 supports only with "
-               "Transformer Engine/Apex norms (GPU); on CPU use expert parallelism with TP=1")
+        _check(torch.cuda.is_available() and find_spec("transformer_engine") is not None,
+               "parallel.tensor_model_parallel_size",
+               "Hash-MoE with TP>1 needs sequence parallelism, which megatron-core's layers support only with "
+               "Transformer Engine's norms (a GPU with TE); elsewhere use expert parallelism with TP=1")
     _validate_data(cfg.data)
     for name, path in (("checkpoint.load", c.load), ("checkpoint.init_from", c.init_from)):
         _check(path is None or Path(path).exists(), name, f"{path} does not exist")

@@ -21,7 +21,8 @@ attention. On a machine without a GPU we redirect exactly those calls to the CPU
   (with ``overlap_grad_reduce`` off, one bucket holds every parameter): a transient P x 4 bytes twice a step,
   the peak of a CPU process whose model dominates its memory (docs/memory.md). NCCL on GPU works in place.
 
-Checked against megatron-core 0.16.1 with torch 2.13.0+cpu. It is enabled by
+Checked against megatron-core 0.19.2 with torch 2.13.0 (Python 3.12; the CPU build and the CUDA build on a machine
+without a GPU). It is enabled by
 ``stem_megatron.parallel.initialize`` only when ``torch.cuda.is_available()`` is false (or when forced),
 so GPU runs never see it. No megatron code is copied or its classes changed.
 """
@@ -36,7 +37,7 @@ from torch.overrides import TorchFunctionMode
 
 from stem_megatron import quiet
 
-CHECKED_MEGATRON_CORE = "0.16.1"
+CHECKED_MEGATRON_CORE = "0.19.2"
 
 _state = threading.local()
 

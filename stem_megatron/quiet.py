@@ -6,14 +6,19 @@ that raises it; any other warning, ours (e.g. ``cpu_compat``'s version notice) o
 - "Transformer Engine and Apex are not installed. Falling back to ...": megatron's optimizer and FSDP modules at
   import; torch's optimizers and megatron's local kernels are what runs without them (stem-doctor checks TE on a GPU)
 - "Apex is not installed. Falling back to Torch Norm": megatron's layer specs; torch's norms are the ones we use
-- "full scope is deprecated": megatron-core 0.16.1 warns about its own default ``cuda_graph_scope="full"``
+- "full scope is deprecated": megatron-core warns about its own default ``cuda_graph_scope="full"``
+- "MimoModelConfig is experimental": megatron-core 0.19 warns when its optimizer imports the multimodal model
+  package, which we do not use
 - "The .grad attribute of a Tensor that is not a leaf ...": megatron's distributed optimizer probes ``.grad`` of its
   shard views in ``zero_grad`` (they never have one); on the CPU torch reports it, and any other such access, from
   ``cpu_compat``'s function mode (one line, so the default action showed only the first access anyway)
 - "`torch.distributed.reduce_scatter_tensor` / `all_gather_into_tensor` is deprecated": megatron's DDP and
   distributed optimizer call them (our code does not); a megatron upgrade's concern, not a run's
-- the log record "Unknown MLP type: ... Using default kwargs." (``megatron.core.transformer.transformer_layer``):
-  megatron does not know our STEM MLP spec by type, once per STEM layer; the default kwargs are the right ones
+- log records, by logger and message start: "GPTModel IS DEPRECATED" (megatron-core 0.19 asks new code to use
+  ``HybridModel``; ``GPTModel`` is supported and still megatron's GPT, docs/ARCHITECTURE.md), "MCore's async save is
+  deprecated" (megatron's synchronous ``dist_checkpointing.save`` runs through its own deprecated async path), and
+  torch's "No CUDA runtime is found" (torch's CUDA build on a machine without a GPU, when DeepSpeed loads its CPU Adam
+  op: that op builds with no CUDA)
 - "... it is recommended to set the environment variable CUDA_DEVICE_MAX_CONNECTIONS to 1": megatron's TP linear
   layers; it orders CUDA streams, so only runs on the CPU drop it (``install_cpu``, from ``cpu_compat.enable``);
   slurm/_launch.sh sets the variable for GPU jobs at TP > 1
@@ -28,8 +33,9 @@ import warnings
 _WARNINGS = (  # (message, category, module): regular expressions matched at the start, as ``-W`` does
     (r"Transformer Engine and Apex are not installed\. Falling back to ", UserWarning, r"megatron\.core\."),
     (r"Apex is not installed\. Falling back to Torch Norm", UserWarning, r"megatron\.core\."),
-    (r"full scope is deprecated\. Use empty cuda_graph_scope", UserWarning,
+    (r"full scope is deprecated\. Use empty cuda_graph_modules", UserWarning,
      r"megatron\.core\.transformer\.transformer_config$"),
+    (r"MimoModelConfig is experimental", UserWarning, r"megatron\.core\.models\.mimo\."),
     (r"The \.grad attribute of a Tensor that is not a leaf Tensor is being accessed", UserWarning,
      r"(megatron\.core\.optimizer\.optimizer|stem_megatron\.cpu_compat)$"),
     (r"`torch\.distributed\.(reduce_scatter_tensor|all_gather_into_tensor)` is deprecated", FutureWarning,
@@ -39,18 +45,30 @@ _CPU_ONLY_WARNINGS = (
     (r"When using (async grad allreduce|sequence parallelism) it is recommended to set the environment variable "
      r"CUDA_DEVICE_MAX_CONNECTIONS", UserWarning, r"megatron\.core\.tensor_parallel\.layers$"),
 )
-MLP_LOGGER = "megatron.core.transformer.transformer_layer"
+LOG_RECORDS = {  # logger: the start of the messages it drops
+    "megatron.core.models.gpt.gpt_model": "GPTModel IS DEPRECATED",
+    "megatron.core.dist_checkpointing.strategies.torch": "MCore's async save is deprecated",
+    "torch.utils.cpp_extension": "No CUDA runtime is found",
+}
 
 
-def _keep(record: logging.LogRecord) -> bool:
-    return not record.getMessage().startswith("Unknown MLP type: ")
+class _DropPrefix(logging.Filter):
+    def __init__(self, prefix: str):
+        super().__init__()
+        self.prefix = prefix
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(self.prefix)
 
 
 def install() -> None:
     """Adds the filters above (idempotent)."""
     for message, category, module in _WARNINGS:
         warnings.filterwarnings("ignore", message, category, module)
-    logging.getLogger(MLP_LOGGER).addFilter(_keep)
+    for name, prefix in LOG_RECORDS.items():
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _DropPrefix) for f in logger.filters):
+            logger.addFilter(_DropPrefix(prefix))
 
 
 def install_cpu() -> None:

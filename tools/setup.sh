@@ -1,15 +1,34 @@
 #!/usr/bin/env bash
-# Sets up a machine: Debian's python3.11-doc (the demo corpus), a venv with torch + the project, DeepSpeed's CPU
-# Adam op built into the venv, and the tokenized corpus. Idempotent; safe to rerun.
+# Sets up a machine: Debian's python3.11-doc (the demo corpus), a Python >= 3.12 venv with torch + the project and all
+# its extras, DeepSpeed's CPU Adam op built into the venv, and the tokenized corpus. Idempotent; safe to rerun.
 #
-# STEM_DEVICE picks the torch build: cpu (the CPU wheel), gpu (CUDA torch + Transformer Engine compiled against it),
+# STEM_DEVICE picks the torch build: cpu (no Transformer Engine), gpu (CUDA torch + TE compiled against it),
 # auto (default: gpu when nvidia-smi lists a GPU on the machine running this). On a cluster the login node has no
 # GPU: run it on a compute node, `srun -N1 --gpus-per-node=1 make setup STEM_DEVICE=gpu` (docs/gpu.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
-PY=${PYTHON:-python3}
 TORCH_VERSION=2.13.0
+
+# a Python >= 3.12 (megatron-core 0.19 needs it): $PYTHON, else python3.12/3.13/python3 on PATH, else one that pyenv
+# has installed but not selected (its python3.12 shim on PATH then refuses to run)
+new_enough() { "$1" -c 'import sys; sys.exit(sys.version_info < (3, 12))' >/dev/null 2>&1; }
+find_python() {
+  local candidate
+  for candidate in ${PYTHON:-} python3.12 python3.13 python3; do
+    if new_enough "$candidate"; then command -v "$candidate"; return; fi
+  done
+  if command -v pyenv >/dev/null 2>&1; then
+    for candidate in $(pyenv versions --bare 2>/dev/null | grep -E '^3\.(1[2-9]|[2-9][0-9])(\.[0-9]+)?$'); do
+      if new_enough "$(pyenv root)/versions/$candidate/bin/python3"; then
+        echo "$(pyenv root)/versions/$candidate/bin/python3"; return
+      fi
+    done
+  fi
+  echo "error: stem-megatron needs Python >= 3.12 (megatron-core 0.19); none found: install python3.12, or set" \
+       "PYTHON=/path/to/python3.12" >&2
+  exit 2
+}
 
 case "${STEM_DEVICE:-auto}" in
   cpu|gpu) device=$STEM_DEVICE ;;
@@ -34,9 +53,14 @@ if [ ! -f data_cache/python-doc/READY ] && ! dpkg -s python3.11-doc >/dev/null 2
   fi
 fi
 
+if [ -x "$VENV/bin/python" ] && ! new_enough "$VENV/bin/python"; then
+  echo "note: $VENV has Python $("$VENV/bin/python" -c 'import platform; print(platform.python_version())'); making" \
+       "it anew with Python >= 3.12 (megatron-core 0.19)" >&2
+  rm -rf "$VENV"
+fi
 if [ ! -x "$VENV/bin/python" ]; then
-  "$PY" -c 'import sys; assert sys.version_info[:2] == (3, 11), "stem-megatron needs Python 3.11"'
-  "$PY" -m venv "$VENV"
+  python=$(find_python)
+  "$python" -m venv "$VENV"
 fi
 PIP="$VENV/bin/pip --disable-pip-version-check -q"
 if [ "$device" = gpu ]; then
@@ -45,14 +69,16 @@ if [ "$device" = gpu ]; then
   "$VENV/bin/python" -c 'import sys, torch; sys.exit(torch.version.cuda is None)' 2>/dev/null \
     || $PIP install --force-reinstall "torch==$TORCH_VERSION" ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"}
   $PIP install -e '.[dev]' 'setuptools>=68'
-  # Transformer Engine, the gpu extra (megatron-core 0.16.1's version range): its PyTorch extension compiles
+  # Transformer Engine, the gpu extra (its version range: pyproject.toml): its PyTorch extension compiles
   # against the torch above, hence no build isolation (needs nvcc of torch's CUDA on PATH or in CUDA_HOME), with
   # the core library built for the same CUDA major version
   cuda_major=$("$VENV/bin/python" -c 'import torch; print(torch.version.cuda.split(".")[0])')
   $PIP install --no-build-isolation -e '.[gpu]' "transformer-engine[core_cu$cuda_major]"
 else
-  # the CPU wheel first: an unpinned torch would pull a multi-GB CUDA build
-  $PIP install "torch==$TORCH_VERSION" && $PIP install -e '.[dev]'
+  # torch pinned first, so that the project's open torch requirement takes it. A CPU wheel where the index has one
+  # (TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu, or a local one); PyPI's Linux wheel is the CUDA build,
+  # several GB with its CUDA libraries, which runs on a machine without a GPU as well
+  $PIP install "torch==$TORCH_VERSION" ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"} && $PIP install -e '.[dev]'
 fi
 
 # DeepSpeed's CPU Adam (the host tables' optimizer) compiles on first use, for minutes: build it now, where the

@@ -64,9 +64,10 @@ def _empty_adam_state(optimizer) -> None:
 
 def _load_optimizer(optimizer, state: dict) -> None:
     """megatron's ``optimizer.load_state_dict`` in its two halves, with torch Adam's per-parameter ``step``
-    set aside in between: megatron-core 0.16.1's ``load_parameter_state_from_fully_reshardable`` copies
-    every state entry of a parameter from the checkpoint, which has no ``step`` (it lives in the param
-    groups), so on the torch-Adam fallback it fails with KeyError 'step'. ``_set_steps`` puts it back."""
+    set aside in between: megatron-core's ``load_parameter_state_from_fully_reshardable`` copies every
+    tensor of a parameter's optimizer state from the checkpoint's entries, which skip ``step`` (it lives in
+    the param groups), so on the torch-Adam fallback it fails with KeyError 'step' (0.16.1, and 0.19.2 in
+    ``_set_main_param_and_optimizer_states``). ``_set_steps`` puts it back."""
     parts = getattr(optimizer, "chained_optimizers", [optimizer])
     for part, part_state in zip(parts, [state] if len(parts) == 1 else [state[k] for k in sorted(state)]):
         param_state = part_state.pop("param_state", None)  # None: not the distributed optimizer

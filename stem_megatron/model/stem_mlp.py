@@ -43,18 +43,25 @@ class STEMMLP(MegatronModule):
         submodules: STEMMLPSubmodules,
         variant: str,
         vocab_size: int,
+        pg_collection=None,
+        is_mtp_layer: bool = False,
+        name: Optional[str] = None,
     ):
+        """``pg_collection``, ``is_mtp_layer`` and ``name`` are what megatron's ``TransformerLayer`` passes every
+        ``mlp`` submodule (megatron-core >= 0.17): the linears use the collection's TP group."""
         super().__init__(config=config)
+        del is_mtp_layer, name  # a STEM layer is never a multi-token-prediction layer; names are for logging
         if variant not in STEM_VARIANTS:
             raise ValueError(f"STEM variant {variant!r} is not one of {STEM_VARIANTS}")
         self.variant = variant
         self.layer_number: Optional[int] = None
         d, d_ff = config.hidden_size, config.ffn_hidden_size
+        tp_group = getattr(pg_collection, "tp", None)
 
         def column_parallel(spec, name):
             return build_module(
                 spec, d, d_ff, config=config, init_method=config.init_method, gather_output=False,
-                bias=False, skip_bias_add=True, is_expert=False, tp_comm_buffer_name=name,
+                bias=False, skip_bias_add=True, is_expert=False, tp_comm_buffer_name=name, tp_group=tp_group,
             )
 
         if variant in ("stem", "stem_dagger"):
@@ -65,6 +72,7 @@ class STEMMLP(MegatronModule):
         self.W_d = build_module(
             submodules.W_d, d_ff, d, config=config, init_method=config.output_layer_init_method,
             bias=False, input_is_parallel=True, skip_bias_add=True, is_expert=False, tp_comm_buffer_name="fc2",
+            tp_group=tp_group,
         )
 
     def set_layer_number(self, layer_number: int) -> None:

@@ -7,8 +7,9 @@ grad-norm clipping, warmup then cosine/linear decay to ``min_lr_ratio`` x peak.
 from __future__ import annotations
 
 import torch
+from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer import DistributedOptimizer, OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -16,13 +17,21 @@ from stem_megatron.config import ParallelConfig, TrainConfig
 
 
 def wrap_ddp(model: torch.nn.Module, config: TransformerConfig, parallel: ParallelConfig) -> DistributedDataParallel:
-    """megatron-core DDP: contiguous fp32 grad buffers, one all-reduce (or reduce-scatter) per bucket."""
+    """megatron-core DDP: contiguous fp32 grad buffers, one all-reduce (or reduce-scatter) per bucket (one bucket:
+    ``overlap_grad_reduce`` is off). With the distributed optimizer the buffers' layout (each parameter's place in
+    its DP shard) is computed here from the DP group sizes, as megatron-core >= 0.19 asks of a caller."""
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
         overlap_grad_reduce=False,
         use_distributed_optimizer=parallel.use_distributed_optimizer,
     )
-    return DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
+    layout = None
+    if ddp_config.use_distributed_optimizer:
+        layout = DistributedOptimizer.compute_full_param_layout(
+            [p for p in model.parameters() if p.requires_grad], None,
+            parallel_state.get_data_parallel_world_size(with_context_parallel=True),
+            ddp_config, expert_data_parallel_world_size=parallel_state.get_expert_data_parallel_world_size())
+    return DistributedDataParallel(config=config, ddp_config=ddp_config, module=model, full_param_layout=layout)
 
 
 def build_optimizer(model: DistributedDataParallel, train: TrainConfig, parallel: ParallelConfig, bf16: bool):
