@@ -31,9 +31,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # this checkout's stem_megatron, installed or not
-from stem_megatron.setup_check import corpus_problem, require_environment  # noqa: E402
+from stem_megatron.setup_check import corpus_problem, require_environment, require_extra  # noqa: E402
 
 require_environment()  # before torch and megatron: another Python gets `make setup`, not a traceback
+require_extra("slurm", "plots")  # Hydra's submitit launcher runs the sweeps; the report draws
 
 from submitit.core.utils import JobPaths, pickle_load  # noqa: E402
 

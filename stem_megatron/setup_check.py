@@ -6,6 +6,9 @@
 open. Stdlib only, so that any Python gets as far as the message (a script puts the checkout on ``sys.path``
 before importing this: such a Python does not have the package installed). Installed versions against the
 requirements are ``stem-doctor``'s check.
+
+Training needs the core requirements; a command that needs more (lm-eval, matplotlib, ...) names the extra that
+installs it (``require_extra``), so a venv with the core only gets one line, not an ImportError.
 """
 
 from __future__ import annotations
@@ -21,14 +24,23 @@ ROOT = Path(__file__).resolve().parents[1]
 DEMO_CORPUS = ROOT / "data_cache" / "python-doc"
 
 
+def _in_checkout() -> bool:
+    return Path.cwd().resolve() == ROOT
+
+
+def _make_setup() -> str:
+    return "make setup" if _in_checkout() else f"make -C {shlex.quote(str(ROOT))} setup"
+
+
 def fix() -> str:
     """`make setup`, then this command again with the venv's Python: paths relative to the checkout when run
     from it, else absolute (the arguments stay as typed, relative to where they were typed)."""
-    if Path.cwd().resolve() == ROOT:
+    if _in_checkout():
         script = Path(sys.argv[0]).resolve().relative_to(ROOT)
-        return f"run `make setup`, then `{shlex.join(['.venv/bin/python', str(script), *sys.argv[1:]])}`"
-    again = shlex.join([str(ROOT / ".venv" / "bin" / "python"), str(Path(sys.argv[0]).resolve()), *sys.argv[1:]])
-    return f"run `make -C {shlex.quote(str(ROOT))} setup`, then `{again}`"
+        again = shlex.join([".venv/bin/python", str(script), *sys.argv[1:]])
+    else:
+        again = shlex.join([str(ROOT / ".venv" / "bin" / "python"), str(Path(sys.argv[0]).resolve()), *sys.argv[1:]])
+    return f"run `{_make_setup()}`, then `{again}`"
 
 
 def _installed(name: str) -> bool:
@@ -39,15 +51,24 @@ def _installed(name: str) -> bool:
         return False
 
 
+def required(extra: Optional[str] = None) -> list[str]:
+    """The packages the project's metadata requires: its core (``extra=None``) or one extra's. The metadata may
+    come from the checkout itself (setup's ``stem_megatron.egg-info``), so requirements are looked up by name.
+    Raises ``PackageNotFoundError`` when this Python does not have the project."""
+    names = []
+    for line in metadata.requires("stem-megatron") or []:  # e.g. 'lm-eval==0.4.13; extra == "eval"'
+        marker = re.search(r"""extra == ["']([^"']+)["']""", line)
+        if (marker.group(1) if marker else None) == extra:
+            names.append(re.match(r"[A-Za-z0-9._-]+", line).group())
+    return names
+
+
 def environment_problem() -> Optional[str]:
-    """What this Python lacks of the project's environment, or None. The project's metadata may come from the
-    checkout itself (setup's ``stem_megatron.egg-info``), so its requirements are looked up one by one."""
+    """What this Python lacks of the project's environment, or None."""
     try:
-        requires = metadata.requires("stem-megatron") or []
+        missing = [name for name in required() if not _installed(name)]
     except metadata.PackageNotFoundError:
         return f"this Python ({sys.executable}) does not have stem-megatron installed"
-    names = [re.match(r"[A-Za-z0-9._-]+", line).group() for line in requires if "extra ==" not in line]
-    missing = [name for name in names if not _installed(name)]
     if not missing:
         return None
     named = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more of the project's packages"
@@ -60,6 +81,31 @@ def require_environment() -> None:
     problem = environment_problem()
     if problem:
         raise SystemExit(f"{Path(sys.argv[0]).name}: {problem}: {fix()}")
+
+
+def extra_problem(*extras: str) -> Optional[str]:
+    """Which of the project's ``extras`` this Python lacks, the packages missing and the fix; None if it has them.
+    The fix installs into this Python (the one the command runs on), or `make setup` installs every extra."""
+    missing = {extra: [name for name in required(extra) if not _installed(name)] for extra in extras}
+    missing = {extra: names for extra, names in missing.items() if names}
+    if not missing:
+        return None
+    names = [name for names in missing.values() for name in names]
+    python = Path(sys.executable)
+    if _in_checkout() and python.is_relative_to(ROOT):
+        python = python.relative_to(ROOT)
+    target = f"{'.' if _in_checkout() else ROOT}[{','.join(missing)}]"
+    return (f"needs the {' and '.join(repr(extra) for extra in missing)} extra{'s' * (len(missing) > 1)} "
+            f"({' and '.join(names)} {'is' if len(names) == 1 else 'are'} not installed): run `{_make_setup()}`, "
+            f"or `{shlex.join([str(python), '-m', 'pip', 'install', '-e', target])}`")
+
+
+def require_extra(*extras: str, command: Optional[str] = None) -> None:
+    """Exit with one line naming the missing extras and their fix if this Python lacks any of ``extras``: called
+    by a command before it imports what they install (``command``: its name, default the script's)."""
+    problem = extra_problem(*extras)
+    if problem:
+        raise SystemExit(f"{command or Path(sys.argv[0]).name}: {problem}")
 
 
 def corpus_problem(corpus: Path) -> Optional[str]:

@@ -5,7 +5,8 @@ typed ``RunConfig`` schema, so a misspelt key or a wrong type fails at compositi
 group starts.
 
 Bad input (a setting, a checkpoint, the data, too little host memory) ends the run with one line naming the
-problem and the fix and exit code 1, not a traceback: each of these errors says all a user needs.
+problem and the fix and exit code 1, not a traceback: each of these errors says all a user needs. So does a sweep on
+Hydra's submitit launchers without the `slurm` extra that provides them (Hydra's own error names no package).
 """
 
 from __future__ import annotations
@@ -18,10 +19,23 @@ from omegaconf import DictConfig
 
 from stem_megatron.config import ConfigError, to_run_config
 from stem_megatron.recipes import RECIPES
+from stem_megatron.setup_check import require_extra
+
+# the launchers hydra-submitit-launcher provides, and ours on top of one (recipes/hydra/launcher/slurm.yaml)
+SUBMITIT_LAUNCHERS = {"submitit_local", "submitit_slurm", "slurm"}
+
+
+def main() -> None:
+    """The entry point: Hydra's ``train``, after naming the `slurm` extra when a sweep asks for one of its launchers
+    and this Python lacks it."""
+    launchers = {arg.partition("=")[2] for arg in sys.argv[1:] if arg.lstrip("+").startswith("hydra/launcher=")}
+    if launchers & SUBMITIT_LAUNCHERS:
+        require_extra("slurm", command="stem-train")
+    train()
 
 
 @hydra.main(version_base=None, config_path=RECIPES, config_name="train")
-def main(cfg: DictConfig) -> None:
+def train(cfg: DictConfig) -> None:
     from stem_megatron.checkpoint.atomic import CheckpointError
     from stem_megatron.data.integrity import DataError
     from stem_megatron.host_tables.node import HostMemoryError

@@ -24,9 +24,10 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's stem_megatron, installed or not
-from stem_megatron.setup_check import require_environment  # noqa: E402
+from stem_megatron.setup_check import require_environment, require_extra  # noqa: E402
 
 require_environment()  # before torch and megatron: another Python gets `make setup`, not a traceback
+require_extra("plots")  # every run ends in its figure: say so before the work
 
 import numpy as np  # noqa: E402
 

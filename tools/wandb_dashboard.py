@@ -6,7 +6,7 @@
 
 The report is defined by ``DASHBOARD`` below (sections of panels over the runs of one project, grouped
 by ``config.stem.variant`` and ``config.stem.ratio`` so each variant is one line, the mean of its runs)
-and built with the W&B Report API, ``wandb_workspaces.reports.v2`` (``pip install wandb-workspaces``).
+and built with the W&B Report API, ``wandb_workspaces.reports.v2`` (the ``dashboards`` extra).
 Saving needs ``wandb login`` and network access; ``--dry-run`` needs neither: with ``--viewspec`` it
 builds the full report model offline, answering the one server lookup ``save`` would make (the
 project's internal id) with a placeholder, and prints the spec JSON that ``save`` would upload.
@@ -160,9 +160,10 @@ def main(argv: Optional[list[str]] = None) -> None:
     if args.title:
         spec["title"] = args.title
     if args.viewspec or not args.dry_run:  # these build the report with wandb_workspaces
-        from stem_megatron.setup_check import require_environment
+        from stem_megatron.setup_check import require_environment, require_extra
 
         require_environment()
+        require_extra("dashboards")
     if args.dry_run:
         out = {"entity": args.entity or "<entity>", "project": args.project, "filters": args.filters,
                "dashboard": spec}

@@ -21,6 +21,7 @@ import torch
 
 from stem_megatron.edit.edits import MODES, StemEditor
 from stem_megatron.edit.row_plan import STRATEGIES
+from stem_megatron.setup_check import require_extra
 
 
 @torch.no_grad()
@@ -145,8 +146,11 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     """Bad input (an export, words that share tokens, layers, an edit log) is one line naming it, not a
-    traceback: the edit and inference code raise ValueError (ExportError) for nothing else."""
+    traceback: the edit and inference code raise ValueError (ExportError) for nothing else. ``--plot`` without
+    the `plots` extra (matplotlib) is named before the edit runs."""
     args = parse_args(argv)
+    if args.plot:
+        require_extra("plots", command="stem-edit")
     try:
         return run(args)
     except ValueError as e:

@@ -18,7 +18,21 @@ import os
 from pathlib import Path
 from typing import Optional, Sequence
 
-from stem_megatron.eval.tasks import PAPER_SUITE
+from stem_megatron.setup_check import require_extra
+
+# the paper's suite by lm-eval task name (here, not in eval/tasks.py: that imports lm-eval, the `eval` extra)
+PAPER_SUITE = {
+    "ARC-E": "arc_easy",
+    "ARC-C": "arc_challenge",
+    "BoolQ": "boolq",
+    "PIQA": "piqa",
+    "SIQA": "social_iqa",
+    "HellaSwag": "hellaswag",
+    "OBQA": "openbookqa",
+    "WinoGrande": "winogrande",
+    "GSM8K": "gsm8k",
+    "MMLU": "mmlu",
+}
 
 
 def _csv(cast):
@@ -71,8 +85,11 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 def main(argv: Optional[Sequence[str]] = None) -> None:
     """Console entry point (returns None: setuptools' wrapper exits with main's return value). Bad input (an
     export, a dataset, a task file, a length) is one line naming it and the fix, not a traceback: the evaluation
-    code raises ValueError (ExportError, DataError) or FileNotFoundError for nothing else."""
+    code raises ValueError (ExportError, DataError) or FileNotFoundError for nothing else. A missing extra (lm-eval
+    for tasks, matplotlib for the NIAH figure) is named before anything runs."""
     args = parse_args(argv)
+    needs = {"eval": args.tasks or args.task_file or args.include_path, "plots": args.niah and args.niah_plot}
+    require_extra(*(extra for extra, wanted in needs.items() if wanted), command="stem-eval")
     try:
         evaluate(args)
     except (ValueError, FileNotFoundError) as e:

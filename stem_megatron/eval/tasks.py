@@ -1,8 +1,8 @@
-"""Running lm-eval-harness tasks on a model: the paper's suite by name, or local task YAML files.
+"""Running lm-eval-harness tasks on a model: built-in tasks by name, or local task YAML files.
 
-The paper's suite (ARC-E/C, BoolQ, PIQA, SIQA, HellaSwag, OBQA, WinoGrande, GSM8K, MMLU) are lm-eval's
-built-in tasks and download their datasets from the HF hub (cluster use). Offline, a local task YAML
-works: ``dataset_path: json`` with ``dataset_kwargs: {data_files: ...}``. Relative ``data_files`` in a
+The paper's suite (ARC-E/C, BoolQ, PIQA, SIQA, HellaSwag, OBQA, WinoGrande, GSM8K, MMLU: ``stem-eval --tasks
+paper``) are lm-eval's built-in tasks and download their datasets from the HF hub (cluster use). Offline, a local
+task YAML works: ``dataset_path: json`` with ``dataset_kwargs: {data_files: ...}``. Relative ``data_files`` in a
 ``task_files`` YAML are resolved against the YAML's directory (lm-eval would use the working directory).
 """
 
@@ -17,19 +17,6 @@ from lm_eval.api.model import LM
 from lm_eval.tasks import TaskManager
 from lm_eval.tasks._yaml_loader import load_yaml  # lm-eval's loader (includes, !function), pinned 0.4.13
 from lm_eval.utils import handle_non_serializable
-
-PAPER_SUITE = {
-    "ARC-E": "arc_easy",
-    "ARC-C": "arc_challenge",
-    "BoolQ": "boolq",
-    "PIQA": "piqa",
-    "SIQA": "social_iqa",
-    "HellaSwag": "hellaswag",
-    "OBQA": "openbookqa",
-    "WinoGrande": "winogrande",
-    "GSM8K": "gsm8k",
-    "MMLU": "mmlu",
-}
 
 
 def load_task_file(path) -> dict:
