@@ -2,7 +2,7 @@
 
 Two torchrun agents on this host are two nodes (DP=2 across them, one process each): the tiny model,
 STEM-1/3, 2 micro-batches per rank and step, trained on documents whose token ids are drawn from a real
-128k-vocabulary profile (../shared/data/token_counts_128k.npy, unigram draws; the demo's 4096-token
+128k-vocabulary profile (benchmarks/data/token_counts_128k.npy, unigram draws; the demo's 4096-token
 vocabulary would hide the exchange's cost, which grows with distinct ids). Runs alternate off / on for
 ``--rounds``; per setting the median over the runs' steps (the first ``--skip`` left out) of the step
 time, the time the step waited for the exchange (``stem_exchange_wait_s``) and the time the exchange

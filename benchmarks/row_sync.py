@@ -9,7 +9,7 @@ exchange.py). This script shows how the two scale with nodes next to what STEM r
     ids drawn from the 128k-vocabulary counts, its measured bytes and Adam rows per node next to the
     model below evaluated for the same draws (expected distinct ids and staleness from the counts).
 (b) projected: the model for the paper's 1B STEM-1/3, fed with D(B), the distinct ids in a batch of B
-    tokens, at two ends: "realistic" (distinct ids measured on packed sequences, ../shared/data/README.md)
+    tokens, at two ends: "realistic" (distinct ids measured on packed sequences, benchmarks/data/README.md)
     and "upper" (Zipf law, exponent 1.1, over the whole vocabulary). D(B) sampled from the per-id counts
     is printed beside them as a check.
 
@@ -41,13 +41,13 @@ import torch  # noqa: E402
 from torch.distributed.elastic.utils.distributed import get_free_port  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
-DEFAULT_COUNTS = REPO.parent / "shared" / "data" / "token_counts_128k.npy"
+DEFAULT_COUNTS = REPO / "benchmarks" / "data" / "token_counts_128k.npy"  # a 128k BPE's per-id counts: its README
 GB = 1e9
 ID_BYTES = 8  # int64 ids, as the exchange sends them
 FP32, BF16 = 4, 2
 
 # Distinct ids on random packed 4096-token sequences, 128k BPE (the counts file's tokenizer):
-# ../shared/data/README.md, "64k" read as 65,536 tokens and so on.
+# benchmarks/data/README.md, "64k" read as 65,536 tokens and so on.
 PACKED_DISTINCT = {2**16: 6_380, 2**18: 12_646, 2**19: 16_579, 2**20: 20_865, 2**21: 25_040, 2**22: 29_522}
 ZIPF_EXPONENT = 1.1  # pure Zipf (Mandelbrot offset 0): gives the README's ~99k distinct ids at 2M tokens
 GPUS = (8, 16, 32, 64, 128, 256)
@@ -365,8 +365,8 @@ def goal_check(s: Setup) -> list[str]:
 
 def load_counts(path: Path) -> np.ndarray:
     if not path.is_file():
-        raise SystemExit(f"row_sync.py: no token counts at {path}: expected ../shared/data/token_counts_128k.npy "
-                         "beside the repository, or pass --counts PATH")
+        raise SystemExit(f"row_sync.py: no token counts at {path}: pass --counts PATH (the repository's are "
+                         f"{DEFAULT_COUNTS.relative_to(REPO)})")
     try:
         counts = np.load(path)
     except (OSError, ValueError) as err:

@@ -143,8 +143,18 @@ def test_script_prints_and_writes_records(tmp_path, capsys):
 
 
 def test_missing_counts_names_the_fix(tmp_path):
-    with pytest.raises(SystemExit, match="token_counts_128k.npy beside the repository.*--counts"):
+    with pytest.raises(SystemExit, match=r"no token counts at .*missing\.npy: pass --counts PATH \(the "
+                                          r"repository's are benchmarks/data/token_counts_128k\.npy\)"):
         rs.main(["--counts", str(tmp_path / "missing.npy")])
+
+
+def test_the_128k_profile_is_in_the_repository():
+    """The default counts come with the checkout (benchmarks/data/README.md): 129,280 ids, 41,159 of them seen in
+    32.1M tokens."""
+    counts = rs.load_counts(rs.DEFAULT_COUNTS)
+    assert rs.DEFAULT_COUNTS.is_relative_to(ROOT)
+    assert (counts.dtype, len(counts), np.count_nonzero(counts), int(counts.sum())) == (
+        np.int64, 129_280, 41_159, 32_133_430)
 
 
 @pytest.mark.slow
