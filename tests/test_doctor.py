@@ -1,17 +1,20 @@
 """``stem-doctor`` on this machine (no GPU): GPU items skipped, the environment and CPU training checks pass, exit 0,
-and nothing on stderr; a broken DeepSpeed op fails it naming the fix; the GPU-vs-CPU comparison run end to end with
-the "GPU" job on the CPU; the loss tolerance and the TE version range; the launcher's job-start check."""
+and nothing on stderr; a broken DeepSpeed op fails it naming the fix; a GPU node without Transformer Engine warns and
+still trains; the GPU-vs-CPU comparison run end to end with the "GPU" job on the CPU; the loss tolerance and the TE
+version range; the launcher's job-start check."""
 
 import subprocess
 import sys
 import tomllib
+import types
 from pathlib import Path
 
 import pytest
+import torch
 from packaging.requirements import Requirement
 
-from stem_megatron.doctor import cli, cuda, job_start, training, versions
-from stem_megatron.doctor.report import OK
+from stem_megatron.doctor import checks, cli, cuda, job_start, training, versions
+from stem_megatron.doctor.report import FAIL, OK, Result, run_check
 from stem_megatron.host_tables import row_adam
 from stem_megatron.parallel import child_env
 
@@ -50,6 +53,48 @@ def test_broken_deepspeed_op_fails_naming_the_fix(monkeypatch, capsys, tmp_path)
     assert "Traceback" not in out + err
 
 
+def test_gpu_node_without_transformer_engine_warns_and_trains(monkeypatch, capsys):
+    """A GPU node (its GPU checks pass) without TE: a WARN naming the setup that installs TE, both training jobs
+    run (megatron's local layers train on the GPU), and the doctor passes."""
+    real_installed = versions.installed
+    monkeypatch.setattr(versions, "installed", lambda name: None if name == versions.TE else real_installed(name))
+    for name in ("check_cuda", "check_nccl", "check_pinned_memory"):
+        monkeypatch.setattr(checks, name, lambda: (OK, "as on a GPU node"))
+    monkeypatch.setattr(cuda, "gpu_count", lambda: 4)
+    asked = {}
+
+    def train_and_compare(data, steps, gpus, workdir, blocked=None):
+        asked.update(gpus=gpus, blocked=blocked)
+        return [Result(OK, "CPU training", "trained"), Result(OK, "GPU training vs CPU", "compared")]
+
+    monkeypatch.setattr(training, "train_and_compare", train_and_compare)
+    cli.main([])  # no SystemExit: exit status 0
+    lines = capsys.readouterr().out.splitlines()
+    assert ("WARN     Transformer Engine: not installed: GPU runs use megatron's local layers (slower); for TE run "
+            "`srun -N1 --gpus-per-node=1 make setup STEM_DEVICE=gpu`") in lines
+    assert asked == {"gpus": 4, "blocked": None}
+    assert lines[-1] == "stem-doctor: every check that applies here passed (1 warning(s): Transformer Engine)"
+
+
+@pytest.mark.parametrize("version, loads, status, detail", [
+    ("2.17.1", True, OK, "2.17.1 (supported: <2.21,>=2.9)"),
+    ("2.8.0", True, FAIL, "2.8.0 is outside the supported <2.21,>=2.9 (the gpu extra): "
+                          "run `srun -N1 --gpus-per-node=1 make setup STEM_DEVICE=gpu`"),
+    ("2.17.1", False, FAIL, "ModuleNotFoundError: import of transformer_engine.pytorch halted; None in sys.modules; "
+                            "fix: run `srun -N1 --gpus-per-node=1 make setup STEM_DEVICE=gpu`"),
+], ids=["in range", "outside the range", "does not load"])
+def test_an_installed_transformer_engine_must_load_and_be_in_range(monkeypatch, version, loads, status, detail):
+    """Only a missing TE is a warning: one that is there but outside the gpu extra's range, or does not import,
+    fails (a stand-in module plays the TE that imports)."""
+    monkeypatch.setattr(versions, "installed", lambda name: version)
+    monkeypatch.setitem(sys.modules, "transformer_engine", types.ModuleType("transformer_engine"))
+    monkeypatch.setitem(sys.modules, "transformer_engine.pytorch",
+                        types.ModuleType("transformer_engine.pytorch") if loads else None)
+    result = run_check("Transformer Engine", checks.check_transformer_engine,
+                       "run `srun -N1 --gpus-per-node=1 make setup STEM_DEVICE=gpu`")
+    assert (result.status, result.detail) == (status, detail)
+
+
 @pytest.mark.slow
 def test_gpu_comparison_end_to_end_with_the_gpu_job_on_cpu(tmp_path):
     """The GPU branch's jobs (init checkpoint, reference, compared run) and comparison, its "GPU" job on the CPU:
@@ -70,14 +115,14 @@ def test_loss_comparison_tolerance():
 
 
 def test_transformer_engine_version_range():
-    supported = versions.te_range()  # from megatron-core 0.16.1's metadata
-    assert str(supported) == "<2.12.0,>=2.9.0a0"
-    for version in ("2.9.0", "2.10.0", "2.11.0+4e0f6ab", "2.9.0rc1"):  # releases, an NGC build, a pre-release
+    supported = versions.te_range()  # our gpu extra's, from our installed metadata (megatron-core 0.19.2's has none)
+    assert str(supported) == "<2.21,>=2.9"
+    for version in ("2.9.0", "2.17.1", "2.20.0+4e0f6ab", "2.20.0rc1"):  # releases, an NGC build, a pre-release
         assert versions.in_range(version, supported), version
-    for version in ("2.8.0", "2.12.0", "2.12.0.dev0", "3.0.0", "not-a-version"):
+    for version in ("2.8.0", "2.9.0rc1", "2.21.0", "2.21.0.dev0", "3.0.0", "not-a-version"):
         assert not versions.in_range(version, supported), version
     extra = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]["gpu"]
-    assert Requirement(extra[0]).specifier == supported  # the gpu extra installs what megatron-core supports
+    assert Requirement(extra[0]).specifier == supported  # the installed metadata is this checkout's pyproject
 
 
 def test_layout_of_the_comparison():
@@ -85,12 +130,19 @@ def test_layout_of_the_comparison():
 
 
 def test_job_start_prints_tp_and_stops_on_cpu_torch(monkeypatch, capsys):
-    with pytest.raises(SystemExit) as exit_:  # this machine: CPU torch
+    monkeypatch.setattr(torch.version, "cuda", None)  # a venv set up on a login node: CPU torch
+    with pytest.raises(SystemExit) as exit_:
         job_start.main(["2", "parallel=tp2"])
     assert exit_.value.code == 2
     err = capsys.readouterr().err
     assert "this venv has a CPU build of torch" in err
     assert "srun -N1 --gpus-per-node=1 make setup STEM_DEVICE=gpu" in err
+
+    monkeypatch.setattr(torch.version, "cuda", "13.0")  # CUDA torch on a node whose GPUs it cannot use
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit) as exit_:
+        job_start.main(["2", "parallel=tp2"])
+    assert exit_.value.code == 2 and "finds no usable GPU: check `nvidia-smi`" in capsys.readouterr().err
 
     monkeypatch.setattr(cuda, "cuda_problem", lambda wanted: None)  # as on a GPU node
     for overrides, tp in ((["parallel=tp2"], "2"), (["+experiment=pretrain_1b", "variant=stem_1_3"], "1"),

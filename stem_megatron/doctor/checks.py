@@ -11,7 +11,7 @@ import torch
 
 from stem_megatron.doctor import versions
 from stem_megatron.doctor.cuda import SETUP_ON_GPU_NODE, cuda_problem
-from stem_megatron.doctor.report import OK, SKIPPED, Broken, Result, first_line, run_check
+from stem_megatron.doctor.report import OK, SKIPPED, WARN, Broken, Result, first_line, run_check
 from stem_megatron.flops.memory import Layout, node_shared_bytes
 from stem_megatron.recipes import compose_run
 
@@ -50,15 +50,17 @@ def check_nccl() -> tuple[str, str]:
 
 
 def check_transformer_engine() -> tuple[str, str]:
+    """Without TE, GPU runs train on megatron's local layers (slower, not wrong): a WARN. A TE that is there but
+    does not load or is outside the supported range would break the GPU runs: a FAIL."""
     version = versions.installed(versions.TE)
     if version is None:
-        raise Broken(f"not installed (GPU runs would use megatron's slower local layers): run `{SETUP_ON_GPU_NODE}`")
+        return WARN, f"not installed: GPU runs use megatron's local layers (slower); for TE run `{SETUP_ON_GPU_NODE}`"
     import transformer_engine.pytorch  # noqa: F401 - loads the compiled extension against this torch
 
     supported = versions.te_range()
     if not versions.in_range(version, supported):
-        raise Broken(f"{version} is outside megatron-core's supported {supported}: run `{SETUP_ON_GPU_NODE}`")
-    return OK, f"{version} (megatron-core supports {supported})"
+        raise Broken(f"{version} is outside the supported {supported} (the gpu extra): run `{SETUP_ON_GPU_NODE}`")
+    return OK, f"{version} (supported: {supported})"
 
 
 def check_cpu_adam() -> tuple[str, str]:

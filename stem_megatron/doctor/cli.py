@@ -1,6 +1,7 @@
 """``stem-doctor [OVERRIDE...]``: checks this machine for training, one line per check, then trains the tiny model
 on the CPU and on the GPUs (when there are any) and compares the losses. Exits 1 when a check fails, each FAIL
-naming its fix; skipped checks (no GPU, no demo corpus) do not fail. See docs/gpu.md."""
+naming its fix; skipped checks (no GPU, no demo corpus) and warnings (no Transformer Engine) do not fail, and only a
+FAIL keeps the training checks from running. See docs/gpu.md."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import tempfile
 from pathlib import Path
 from typing import Optional, Sequence
 
-from stem_megatron.doctor.report import FAIL
+from stem_megatron.doctor.report import FAIL, WARN
 
 DEMO_DATA = Path(__file__).resolve().parents[2] / "data_cache" / "python-doc"
 
@@ -51,7 +52,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         print(f"stem-doctor: {len(failed)} check(s) failed: {', '.join(failed)}"
               + (f" (job logs kept in {workdir})" if keep else ""))
         sys.exit(1)
-    print("stem-doctor: every check that applies here passed")
+    warned = [r.name for r in results if r.status == WARN]
+    print("stem-doctor: every check that applies here passed"
+          + (f" ({len(warned)} warning(s): {', '.join(warned)})" if warned else ""))
 
 
 if __name__ == "__main__":

@@ -1,4 +1,6 @@
-"""One line per check, for people: ``ok`` / ``FAIL`` / ``skipped`` and why, and nothing else.
+"""One line per check, for people: ``ok`` / ``WARN`` / ``FAIL`` / ``skipped`` and why, and nothing else. ``WARN``
+is a finding that costs speed, not correctness (no Transformer Engine on a GPU node): it fails nothing and blocks
+no training check.
 
 A check runs with Python warnings off (whatever a check's code warns about, e.g. TE or torch on a GPU: its line
 says what matters) and with what native code prints (DeepSpeed's op build, TE's loader) sent to a scratch file; an
@@ -15,7 +17,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Callable
 
-OK, FAIL, SKIPPED = "ok", "FAIL", "skipped"
+OK, WARN, FAIL, SKIPPED = "ok", "WARN", "FAIL", "skipped"
 
 
 @dataclass

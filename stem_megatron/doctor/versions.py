@@ -1,8 +1,8 @@
-"""Installed versions against what the project and megatron-core declare, from package metadata (nothing imported).
+"""Installed versions against what the project declares, from package metadata (nothing imported).
 
-megatron-core 0.16.1 states the Transformer Engine versions it supports in its ``dev`` extra
-(``transformer-engine[core_cu13,pytorch]<2.12.0,>=2.9.0a0``): that range, read from its installed metadata, is
-what a TE must satisfy.
+The Transformer Engine versions a TE must be in are our ``gpu`` extra's (``transformer-engine[pytorch]>=2.9,<2.21``
+in pyproject.toml), read from our installed metadata: megatron-core 0.19.2 names TE without a version (its ``te``
+extra).
 """
 
 from __future__ import annotations
@@ -26,17 +26,17 @@ def installed(name: str) -> Optional[str]:
 
 
 def te_range() -> SpecifierSet:
-    """megatron-core's supported Transformer Engine versions."""
-    for line in metadata.requires("megatron-core") or []:
+    """The supported Transformer Engine versions: the range of our ``gpu`` extra."""
+    for line in metadata.requires(PROJECT) or []:
         req = Requirement(line)
-        if req.name == TE:
+        if req.name == TE and req.marker is not None and req.marker.evaluate({"extra": "gpu"}):
             return req.specifier
-    raise LookupError("megatron-core's metadata names no transformer-engine requirement")
+    raise LookupError(f"{PROJECT}'s metadata has no transformer-engine in its gpu extra")
 
 
 def in_range(version: str, spec: SpecifierSet) -> bool:
-    """``version`` (e.g. ``2.10.0``, an NGC build ``2.11.0+4e0f6ab``, a pre-release ``2.12.0.dev0``) is in ``spec``;
-    pre-releases count when the spec admits them (``>=2.9.0a0``)."""
+    """``version`` (e.g. ``2.17.1``, an NGC build ``2.17.0+4e0f6ab``, a pre-release ``2.20.0rc1``) is in ``spec``;
+    pre-releases count when the spec admits them (``2.20.0rc1`` is in ``<2.21``, ``2.21.0.dev0`` is not)."""
     try:
         return spec.contains(Version(version), prereleases=True)
     except InvalidVersion:
