@@ -50,14 +50,16 @@ def have_transformer_engine() -> bool:
 
 def initialize(tp: int, pp: int, seed: int, ep: int = 1) -> None:
     """Start the default process group (env:// from torchrun/srun) and megatron's parallel groups."""
+    device = None  # NCCL: this rank's GPU, so that collectives without a tensor (barrier) need not guess it
     if on_gpu():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
         backend = "nccl"
     else:
         cpu_compat.enable()
         backend = "gloo"
     if not dist.is_initialized():
-        dist.init_process_group(backend=backend, timeout=datetime.timedelta(minutes=10))
+        dist.init_process_group(backend=backend, timeout=datetime.timedelta(minutes=10), device_id=device)
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,

@@ -1,11 +1,57 @@
-"""Shared fixtures: a small synthetic corpus prepared by the real pipeline (tokenizer + indexed dataset)."""
+"""Shared fixtures: a small synthetic corpus prepared by the real pipeline (tokenizer + indexed dataset).
+
+The suite tests the CPU path on any machine: the GPUs are hidden from this process and every process it starts
+(``CUDA_VISIBLE_DEVICES=""``, set before torch is imported), as ``stem-doctor``'s CPU job hides them, so a GPU node
+runs the same CPU tests as CI. Tests marked ``gpu`` (``tests/test_gpu.py``) run where ``nvidia-smi`` lists a GPU,
+in subprocesses given the machine's GPUs back (the ``gpu_env`` fixture); elsewhere they are deselected.
+"""
 
 import os
 import random
+import shutil
+import subprocess
 
 import pytest
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+def _machine_gpus() -> int:
+    """GPUs the driver lists, read without torch (which must not see them in this process)."""
+    if shutil.which("nvidia-smi") is None:
+        return 0
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=60).stdout
+    except (OSError, subprocess.SubprocessError):
+        return 0
+    return sum(line.startswith("GPU ") for line in out.splitlines())
+
+
+GPUS = _machine_gpus()
+_VISIBLE = os.environ.get("CUDA_VISIBLE_DEVICES")
+os.environ["CUDA_VISIBLE_DEVICES"] = ""
+
+
+def gpu_env(**extra: str) -> dict[str, str]:
+    """The environment for a subprocess that uses the machine's GPUs (a ``gpu`` test's job)."""
+    env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"} | extra
+    if _VISIBLE is not None:
+        env["CUDA_VISIBLE_DEVICES"] = _VISIBLE
+    return env
+
+
+@pytest.fixture(name="gpu_env")
+def _gpu_env():
+    return gpu_env
+
+
+def pytest_collection_modifyitems(config, items):
+    if GPUS:
+        return
+    gpu = [item for item in items if item.get_closest_marker("gpu")]
+    if gpu:
+        config.hook.pytest_deselected(items=gpu)
+        items[:] = [item for item in items if not item.get_closest_marker("gpu")]
 
 VOCAB = 400
 WORDS = "the heap queue sorts tuples by key; def f(x): return x ** 2 # comment über naïve".split()

@@ -114,6 +114,30 @@ def test_gpu_config_without_te_needs_no_fused_softmax_kernel():
     assert dtype == torch.bfloat16 and abs(row_sum - 1.0) < 1e-2
 
 
+def _bf16_model_forward():
+    """The model as a GPU run's config (bf16) builds it, one forward: its parameter dtypes and torch's warnings."""
+    import warnings
+
+    from stem_megatron.model.gpt import build_gpt, transformer_config
+    from stem_megatron.model.token_context import token_ids
+
+    config = transformer_config(MODEL, ParallelConfig(), on_gpu=True, use_cpu_initialization=True)
+    model = build_gpt(MODEL, STEMConfig(variant="stem", ratio="1/3", placement="device"), config)
+    tokens = torch.randint(0, V, (2, SEQ), generator=torch.Generator().manual_seed(0))
+    with warnings.catch_warnings(record=True) as caught, torch.no_grad(), token_ids(tokens, V):
+        warnings.simplefilter("always")
+        logits = model(tokens, torch.arange(SEQ).expand(2, SEQ), None)
+    return {str(p.dtype) for p in model.parameters()}, str(logits.dtype), [str(w.message) for w in caught]
+
+
+def test_bf16_model_keeps_every_parameter_in_bf16():
+    """A GPU run printed torch's "Mismatch dtype between input and weight ... Cannot dispatch to fused
+    implementation" at every step: megatron's torch RMSNorm kept an fp32 weight in a bf16 model."""
+    dtypes, logits, warned = distributed.run(_bf16_model_forward, 1)[0]
+    assert dtypes == {"torch.bfloat16"} and logits == "torch.bfloat16"
+    assert not [w for w in warned if "Mismatch dtype" in w], warned
+
+
 # ------------------------------------------------------------------------- FusedAdam and resume
 class FusedAdamStandIn(torch.optim.Optimizer):
     """What megatron relies on of TE's FusedAdam: AdamW with ``step`` counted in the param group (not per

@@ -14,6 +14,7 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 
 from stem_megatron.config import ModelConfig, RunConfig, STEMConfig
 from stem_megatron.flops.mfu import device_peak_tflops, model_flops_per_token, throughput_metrics
@@ -181,12 +182,16 @@ def test_model_flops_match_the_flop_counter_of_the_megatron_model():
     assert model_flops_per_token(BENCH_MODEL) - model_flops_per_token(gqa) == 3 * 6 * 2 * 256 * 128 * 2
 
 
-def test_throughput_and_mfu():
+def test_throughput_and_mfu(monkeypatch):
     m = throughput_metrics(tokens_per_s=10_000.0, flops_per_token=1e9, peak_tflops=None, num_devices=2)
     assert m == {"tflops_per_s": 10.0, "tflops_per_s_per_device": 5.0, "mfu": None}
     m = throughput_metrics(tokens_per_s=10_000.0, flops_per_token=1e9, peak_tflops=312.0, num_devices=2)
     assert m["mfu"] == pytest.approx(5.0 / 312.0)
-    assert device_peak_tflops() is None  # this machine has no GPU
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the current device's name decides
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *_: "NVIDIA H100 80GB HBM3")
+    assert device_peak_tflops() == 989.0
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # a CPU run has no peak
+    assert device_peak_tflops() is None
     names = {"NVIDIA A100-SXM4-80GB": 312.0, "NVIDIA A100 80GB PCIe": 312.0, "NVIDIA H100 80GB HBM3": 989.0,
              "NVIDIA H100 PCIe": 756.0, "NVIDIA H100 NVL": 835.0, "NVIDIA H200": 989.0, "NVIDIA A10": 125.0,
              "NVIDIA L4": 121.0, "NVIDIA L40S": 362.0, "NVIDIA B200": 2250.0, "Tesla V100-SXM2-32GB": None}

@@ -111,7 +111,7 @@ def build_gpt(
         pre_process = parallel_state.is_pipeline_first_stage()
     if post_process is None:
         post_process = parallel_state.is_pipeline_last_stage()
-    return GPTModel(
+    gpt = GPTModel(
         config=config,
         transformer_layer_spec=spec,
         vocab_size=model.vocab_size,
@@ -122,3 +122,14 @@ def build_gpt(
         position_embedding_type="rope",
         rotary_base=model.rotary_base,
     )
+    return in_params_dtype(gpt, config.params_dtype)
+
+
+def in_params_dtype(module: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """Every parameter of ``module`` in ``dtype``, as megatron's ``Float16Module`` makes a bf16 model: megatron's torch
+    RMSNorm (the local spec, no TE) takes no dtype and would keep an fp32 weight, on which torch's fused RMSNorm
+    refuses a bf16 input (a warning at every step, the unfused path). Megatron's optimizer keeps fp32 master copies."""
+    for param in module.parameters():
+        if param.dtype != dtype:
+            param.data = param.data.to(dtype)
+    return module
