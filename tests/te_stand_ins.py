@@ -27,6 +27,14 @@ class LayerNormColumnParallelLinear(ColumnParallelLinear):
         return super().forward(F.rms_norm(x, (x.shape[-1],), self.layer_norm_weight, self.eps), **kwargs)
 
 
+class Norm:
+    """TE's ``TENorm`` (its signature: megatron-core 0.19's TE provider builds a MoE layer's pre-MLP norm with
+    ``has_residual=True``, which only fuses the residual add when the config asks for it; ours does not)."""
+
+    def __new__(cls, config, hidden_size, eps=1e-5, has_residual=False):
+        return WrappedTorchNorm(config, hidden_size, eps)
+
+
 def install() -> None:
     """Make megatron's TE spec provider and decoder block spec hand out the stand-ins (this process)."""
     from megatron.core.extensions import transformer_engine_spec_provider as provider
@@ -34,8 +42,8 @@ def install() -> None:
 
     for name, cls in (("TEColumnParallelLinear", ColumnParallelLinear), ("TERowParallelLinear", RowParallelLinear),
                       ("TELayerNormColumnParallelLinear", LayerNormColumnParallelLinear),
-                      ("TEDotProductAttention", DotProductAttention), ("TENorm", WrappedTorchNorm)):
+                      ("TEDotProductAttention", DotProductAttention), ("TENorm", Norm)):
         setattr(provider, name, cls)
     provider.is_te_min_version = lambda version: True  # no TE to ask
     gpt_layer_specs.TESpecProvider = provider.TESpecProvider
-    gpt_layer_specs.TENorm = WrappedTorchNorm
+    gpt_layer_specs.TENorm = Norm

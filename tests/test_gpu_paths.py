@@ -146,7 +146,8 @@ class FusedAdamStandIn(torch.optim.Optimizer):
 
     name_to_dtype_map = {"exp_avg": torch.float32, "exp_avg_sq": torch.float32, "master_param": torch.float32}
 
-    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, adam_w_mode=True):
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, adam_w_mode=True,
+                 capturable=False):  # megatron-core 0.19 passes capturable (its optimizer_cuda_graph), as TE takes it
         super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
 
     def initialize_state(self, param):

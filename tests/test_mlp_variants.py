@@ -27,13 +27,15 @@ def reference(variant, x, t, Wg, Wu, Wd, U):
 
 def _build(variant, config):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.transformer.spec_utils import build_module
 
+    # what megatron's TransformerLayer passes its mlp (megatron-core >= 0.17)
+    layer_args = dict(config=config, pg_collection=ProcessGroupCollection.use_mpu_process_groups(), is_mtp_layer=False)
     if variant == "dense":
-        spec = get_gpt_layer_local_spec(normalization="RMSNorm").submodules.mlp
-        return build_module(spec, config=config, ffn_hidden_size=D_FF), {
-            "linear_fc1.weight": "Wgu", "linear_fc2.weight": "Wd"}
-    return build_module(stem_mlp_spec(variant, V), config=config), {
+        mlp = get_gpt_layer_local_spec(normalization="RMSNorm").submodules.mlp  # MLP.as_mlp_submodule
+        return mlp(**layer_args, ffn_hidden_size=D_FF), {"linear_fc1.weight": "Wgu", "linear_fc2.weight": "Wd"}
+    return build_module(stem_mlp_spec(variant, V), **layer_args), {
         "W_g.weight": "Wg", "W_u.weight": "Wu", "W_d.weight": "Wd", "U_l.weight": "U"}
 
 

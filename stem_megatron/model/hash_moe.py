@@ -18,7 +18,6 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
 from megatron.core.transformer.module import MegatronModule
-from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from stem_megatron.model.token_context import current_token_ids
@@ -65,7 +64,10 @@ class HashRouter(MegatronModule):
     all-to-all traffic), for the per-step metrics.
     """
 
-    def __init__(self, config: TransformerConfig, pg_collection=None, *, expert_of_token: torch.Tensor):
+    def __init__(self, config: TransformerConfig, pg_collection=None, is_mtp_layer: bool = False, *,
+                 expert_of_token: torch.Tensor):
+        """``pg_collection`` and ``is_mtp_layer`` are what megatron's ``MoELayer`` passes every router; the map
+        needs neither (expert parallelism is read from megatron's parallel state)."""
         super().__init__(config=config)
         self.num_experts = config.num_moe_experts
         self.register_buffer("expert_of_token", expert_of_token.clone(), persistent=False)
@@ -125,8 +127,10 @@ def take_moe_stats(model: torch.nn.Module) -> dict:
             "moe_all_to_all_bytes": 4 * sent * routers[0].config.hidden_size * element}
 
 
-def hash_moe_spec(expert_of_token: torch.Tensor, num_experts: int, use_te: bool, grouped_gemm: bool) -> ModuleSpec:
-    """megatron's MoE layer spec (experts, dispatcher) with the hash router in place of TopKRouter."""
-    spec = get_moe_module_spec(use_te=use_te, num_experts=num_experts, moe_grouped_gemm=grouped_gemm)
+def hash_moe_spec(expert_of_token: torch.Tensor, num_experts: int, use_te: bool, grouped_gemm: bool) -> partial:
+    """megatron's MoE layer builder (experts, dispatcher) with the hash router in place of TopKRouter: megatron-core
+    0.19 gives the builder as ``partial(MoELayer, submodules=MoESubmodules(...))``."""
+    moe = get_moe_module_spec(use_te=use_te, num_experts=num_experts, moe_grouped_gemm=grouped_gemm)
     router = partial(HashRouter, expert_of_token=expert_of_token)
-    return dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, router=router))
+    return partial(moe.func, *moe.args,
+                   **{**moe.keywords, "submodules": dataclasses.replace(moe.keywords["submodules"], router=router)})
