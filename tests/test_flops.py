@@ -266,12 +266,22 @@ BATCH = 2
 
 def _count_with_flop_counter(cases, model_fields, batch):
     import torch
-    from torch.utils.flop_counter import FlopCounterMode
+    from torch.utils.flop_counter import FlopCounterMode, register_flop_formula, sdpa_flop_count
 
     from stem_megatron.config import ModelConfig, ParallelConfig
     from stem_megatron.model.gpt import build_gpt, transformer_config
     from stem_megatron.model.token_context import token_ids
 
+    # torch's counter has formulas for SDPA's CUDA kernels, not for the CPU flash kernel SDPAttention runs here:
+    # its forward counted as torch counts the others (both matmuls over the full L x L, as the exact count does), its
+    # backward as the gradients of those two matmuls, twice the forward: model FLOPs (MFU's convention), without the
+    # flash backward's recomputation of the scores (torch's CUDA formula adds it), as activation recomputation is not
+    # counted either
+    aten = torch.ops.aten
+    register_flop_formula(aten._scaled_dot_product_flash_attention_for_cpu)(
+        lambda q, k, v, *_args, out_shape=None, **_kwargs: sdpa_flop_count(q, k, v))
+    register_flop_formula(aten._scaled_dot_product_flash_attention_for_cpu_backward)(
+        lambda grad_out, q, k, v, *_args, out_shape=None, **_kwargs: 2 * sdpa_flop_count(q, k, v))
     model = ModelConfig(**model_fields)
     out = []
     for variant in cases:
@@ -310,7 +320,8 @@ def test_exact_count_equals_flop_counter(counted, i):
     L = TINY["seq_length"]
     assert counted[i]["forward"] == forward_flops(arch, L, variant, BATCH)["total"]
     assert counted[i]["training"] == training_flops(arch, L, variant, BATCH)["total"]
-    assert counted[i]["ops"] == ["aten.baddbmm", "aten.bmm", "aten.mm"]  # nothing else is a matmul here
+    assert counted[i]["ops"] == ["aten._scaled_dot_product_flash_attention_for_cpu",  # nothing else is a matmul here
+                                 "aten._scaled_dot_product_flash_attention_for_cpu_backward", "aten.mm"]
 
 
 # -- the CLI (subprocesses) -------------------------------------------------------------------------

@@ -4,6 +4,8 @@ We start from megatron's own decoder block spec (which already slices layers for
 stage) and replace ``submodules.mlp`` of the planned layers by a STEM MLP (or the Hash-MoE layer).
 Layers not in the plan keep megatron's SwiGLU ``MLP`` (paper eq. 1). On GPU the linears are
 Transformer Engine's; on CPU the local megatron-core ones, both from megatron's spec providers.
+Without TE every layer's core attention is ``SDPAttention`` (torch's SDPA kernels) in place of megatron's
+local ``DotProductAttention``, which materialises the s x s scores of every layer; with TE it stays TE's.
 
 Under TE a dense layer's pre-MLP RMSNorm is fused into ``linear_fc1`` (``pre_mlp_layernorm`` is an
 ``IdentityOp``); a replaced layer has no ``linear_fc1``, so it gets the norm back as a module of its own.
@@ -26,6 +28,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
 from stem_megatron.model.device_table import DeviceRowTable
+from stem_megatron.model.sdpa_attention import SDPAttention
 from stem_megatron.model.stem_mlp import STEMMLP, STEMMLPSubmodules
 
 
@@ -78,6 +81,15 @@ def _with_attn_mask_type(layer: ModuleSpec, attn_mask_type: AttnMaskType) -> Mod
     return dataclasses.replace(layer, submodules=dataclasses.replace(layer.submodules, self_attention=attention))
 
 
+def with_core_attention(layer: ModuleSpec, core_attention: type) -> ModuleSpec:
+    """``layer`` whose self-attention computes its core attention with ``core_attention`` (a class taking
+    megatron's core-attention constructor arguments, as ``DotProductAttention``)."""
+    attention = layer.submodules.self_attention
+    attention = dataclasses.replace(
+        attention, submodules=dataclasses.replace(attention.submodules, core_attention=core_attention))
+    return dataclasses.replace(layer, submodules=dataclasses.replace(layer.submodules, self_attention=attention))
+
+
 def decoder_block_spec(
     config: TransformerConfig,
     replaced_layers: Sequence[int],
@@ -89,10 +101,10 @@ def decoder_block_spec(
     """This pipeline stage's layer specs, with ``mlp`` at the global indices in ``replaced_layers``.
 
     ``attn_mask_type=AttnMaskType.arbitrary`` makes attention obey the ``attention_mask`` passed to
-    the forward (cross-document masking of packed samples). With ``causal`` only megatron's local
-    attention in fp32 (our CPU path) applies an explicit mask; its fused fp16/bf16 softmax kernel
-    (used when the shapes allow) and Transformer Engine attention ignore it. ``arbitrary`` needs the
-    mask on every forward: without one, attention is bidirectional.
+    the forward (cross-document masking of packed samples). With ``causal`` the local attention
+    (``SDPAttention``, as megatron's ``DotProductAttention`` in fp32) applies an explicit mask and
+    Transformer Engine attention ignores it. ``arbitrary`` needs the mask on every forward: without
+    one, attention is bidirectional.
     """
     block = get_gpt_decoder_block_spec(config, use_transformer_engine=use_te, normalization="RMSNorm", pp_rank=pp_rank)
     offset = get_transformer_layer_offset(config, pp_rank=pp_rank)
@@ -100,4 +112,6 @@ def decoder_block_spec(
     layer_specs = [_replaced(spec, mlp, block.layer_norm) if offset + i in wanted else spec
                    for i, spec in enumerate(block.layer_specs)]
     layer_specs = [_with_attn_mask_type(spec, attn_mask_type) for spec in layer_specs]
+    if not use_te:
+        layer_specs = [with_core_attention(spec, SDPAttention) for spec in layer_specs]
     return dataclasses.replace(block, layer_specs=layer_specs)
