@@ -144,6 +144,9 @@ class LoggingConfig:
     spike_warmup: int = 20  # losses needed before finite spikes are flagged
     spike_detrend: bool = True  # quadratic-fit baseline instead of the window mean (see docs/tracking.md)
     peak_tflops: Optional[float] = None  # one device's peak for MFU; None: from the GPU name (none on CPU)
+    # wrap this step in torch.profiler; rank 0 writes <out_dir>/profile_step<N>.txt (the top ops by self device and
+    # CPU time) and profile_step<N>.json (ops, peak memory so far); None: no profiling (docs/gpu.md)
+    profile_step: Optional[int] = None
 
 
 @dataclass
@@ -152,6 +155,7 @@ class CheckpointConfig:
 
     dir: Optional[str] = None  # None: <out_dir>/checkpoints
     save_interval: int = 0  # save every this many steps (0: only after the last step)
+    save: bool = True  # false: no checkpoint at all, not even after the last step (benchmarks)
     keep: int = 2  # complete checkpoints kept (0: all)
     resume: bool = True  # continue from <dir>/latest when it exists
     fallback: bool = True  # a damaged newest checkpoint is reported and the newest intact one used (false: refuse)
@@ -300,6 +304,11 @@ def validate_layout(cfg: RunConfig, world_size: int) -> int:
     _check(0.0 <= t.min_lr_ratio <= 1.0, "train.min_lr_ratio", "must be in [0, 1]")
     c = cfg.checkpoint
     _check(c.save_interval >= 0, "checkpoint.save_interval", "must be >= 0 (0: save after the last step)")
+    _check(c.save or not c.save_interval, "checkpoint.save_interval",
+           f"{c.save_interval} asks for checkpoints, but checkpoint.save=false writes none: set one or the other")
+    _check(c.save or t.exit_after_steps is None, "train.exit_after_steps",
+           "stops a job to continue later from its checkpoint, but checkpoint.save=false writes none: set "
+           "checkpoint.save=true")
     _check(c.keep >= 0, "checkpoint.keep", "must be >= 0 (0: keep every checkpoint)")
     _check(not (c.load and c.init_from), "checkpoint.init_from",
            "set either checkpoint.load (resume a run) or checkpoint.init_from (start a new run from "
@@ -311,6 +320,8 @@ def validate_layout(cfg: RunConfig, world_size: int) -> int:
     _check(lg.wandb_mode in ("offline", "online", "disabled"), "logging.wandb_mode",
            f"{lg.wandb_mode!r} is not 'offline', 'online' or 'disabled'")
     _check(lg.spike_k > 0, "logging.spike_k", "must be > 0")
+    _check(lg.profile_step is None or 1 <= lg.profile_step <= t.steps, "logging.profile_step",
+           f"{lg.profile_step} is not a step of this run: give one in 1..train.steps={t.steps}, or null")
     lowest = 5 if lg.spike_detrend else 2
     _check(lowest <= lg.spike_warmup <= lg.spike_window, "logging.spike_warmup",
            f"{lg.spike_warmup} is not in [{lowest}, logging.spike_window={lg.spike_window}]")

@@ -4,8 +4,9 @@ Recipes live in ``recipes/`` (composed as ``stem_megatron/recipes.py`` says) and
 typed ``RunConfig`` schema, so a misspelt key or a wrong type fails at composition, before any process
 group starts.
 
-Bad input (a setting, a checkpoint, the data, too little host memory) ends the run with one line naming the
-problem and the fix and exit code 1, not a traceback: each of these errors says all a user needs. So does a sweep on
+Bad input (a setting, a checkpoint, the data, too little host memory, a run too large for its GPUs' memory) ends
+the run with one line naming the problem and the fix and exit code 1, not a traceback: each of these errors says all
+a user needs (out of device memory: what the memory plan expected per GPU and the settings that lower it). So does a sweep on
 Hydra's submitit launchers without the `slurm` extra that provides them (Hydra's own error names no package).
 """
 
@@ -39,12 +40,21 @@ def train(cfg: DictConfig) -> None:
     from stem_megatron.checkpoint.atomic import CheckpointError
     from stem_megatron.data.integrity import DataError
     from stem_megatron.host_tables.node import HostMemoryError
+    from stem_megatron.training.device_memory import out_of_memory_in, out_of_memory_message
     from stem_megatron.training.loop import run
 
+    run_cfg = None
     try:
-        run(to_run_config(cfg))
+        run_cfg = to_run_config(cfg)
+        run(run_cfg)
     except (ConfigError, CheckpointError, DataError, HostMemoryError) as e:
         report(e)
+        sys.exit(1)
+    except Exception as e:
+        oom = out_of_memory_in(e)  # a step's torch.OutOfMemoryError, or another error raised from one
+        if oom is None or run_cfg is None:
+            raise
+        report(out_of_memory_message(run_cfg, oom))
         sys.exit(1)
 
 

@@ -19,6 +19,7 @@ from stem_megatron.flops.mfu import device_peak_tflops, model_flops_per_token, t
 from stem_megatron.model.hash_moe import take_moe_stats
 from stem_megatron.training.data_stream import batch_stream, run_datasets
 from stem_megatron.training.metrics_file import MetricsWriter
+from stem_megatron.training.profiling import profiled
 from stem_megatron.training.setup import Trainer, setup_model
 from stem_megatron.training.spikes import SpikeDetector
 from stem_megatron.training.step import train_step
@@ -87,7 +88,9 @@ def _train(cfg: RunConfig, dp: int) -> list[dict]:
             batch_stream(train_data, cfg, dp, trainer.store, n_micro, start_step=resumed, steps=last - resumed) as data:
         for step in range(resumed + 1, last + 1):
             start = time.perf_counter()
-            out = train_step(trainer, data, n_micro, t.micro_batch_size, cfg.model.seq_length, cfg.model.vocab_size)
+            with profiled(rank0 and step == lg.profile_step, cfg.out_dir, step):
+                out = train_step(trainer, data, n_micro, t.micro_batch_size, cfg.model.seq_length,
+                                 cfg.model.vocab_size)
             elapsed = time.perf_counter() - start
             record = {"step": step, **out, "step_time_s": elapsed, "tokens": step * tokens_per_step,
                       "tokens_per_s": tokens_per_step / elapsed}
@@ -107,7 +110,7 @@ def _train(cfg: RunConfig, dp: int) -> list[dict]:
                 writer.log(record)
                 tracker.log(record)
             c = cfg.checkpoint
-            if step == last or (c.save_interval and step % c.save_interval == 0):
+            if c.save and (step == last or (c.save_interval and step % c.save_interval == 0)):
                 saved = checkpoints.save(cfg, trainer, detector, step)
                 if rank0:
                     print(f"saved checkpoint {saved}", flush=True)

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 from megatron.core.pipeline_parallel import get_forward_backward_func
+from torch.profiler import record_function
 
 from stem_megatron.data.integrity import check_token_ids
 from stem_megatron.model.token_context import token_ids
@@ -110,7 +111,8 @@ def _step_with_host_tables(optimizer, store, lr: float, prefetcher, separate: bo
     if optimizer.prepare_grads():
         raise FloatingPointError("non-finite gradients in the dense parameters")
     dense_norm = float(optimizer.get_grad_norm())
-    stem_sq = float(store.reduce_gradients())
+    with record_function("stem: reduce row gradients"):  # labels for a profiled step (logging.profile_step)
+        stem_sq = float(store.reduce_gradients())
     grad_norm = math.sqrt(dense_norm**2 + stem_sq)
     stem_norm = math.sqrt(stem_sq)
     clip = optimizer.config.clip_grad
@@ -122,6 +124,7 @@ def _step_with_host_tables(optimizer, store, lr: float, prefetcher, separate: bo
         if coef < 1.0:
             store.scale_gradients(coef)
     ok = optimizer.step_with_ready_grads()
-    store.step(lr, prefetcher.next_ids())
+    with record_function("stem: CPU Adam + refresh"):
+        store.step(lr, prefetcher.next_ids())
     prefetcher.release()
     return ok, grad_norm, {"dense_grad_norm": dense_norm, "stem_grad_norm": stem_norm}
