@@ -21,7 +21,8 @@ a rank's peak RSS is shown against its own parts plus every shared file of its n
 
     .venv/bin/python benchmarks/memory_plan.py [--nproc N] [--json out.json] [OVERRIDE ...]
 
-N defaults to the recipe's tp*pp (DP=1). On a machine without a GPU the plan is the CPU one (fp32).
+N defaults to the recipe's tp*pp (DP=1). On a machine without a GPU the plan is the CPU one (fp32); on a GPU without
+Transformer Engine, the plan of SDPAttention's kernels.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ require_environment()  # before torch and megatron: another Python gets `make se
 import torch  # noqa: E402
 
 from stem_megatron.flops.memory import GIB, LIBRARY_BYTES, Layout, plan, print_plan  # noqa: E402
+from stem_megatron.parallel import have_transformer_engine  # noqa: E402
 from stem_megatron.recipes import compose_run  # noqa: E402
 
 POLL_S = 0.05
@@ -140,7 +142,7 @@ def main() -> None:
     cfg = compose_run(args.overrides)
     tp, pp = cfg.parallel.tensor_model_parallel_size, cfg.parallel.pipeline_model_parallel_size
     nproc = args.nproc or tp * pp
-    layout = Layout(1, nproc, tp, pp, "gpu" if torch.cuda.is_available() else "cpu")
+    layout = Layout(1, nproc, tp, pp, "gpu" if torch.cuda.is_available() else "cpu", have_transformer_engine())
     planned = plan(cfg, layout, args.distinct_ids)
     print_plan(planned, " ".join(args.overrides) or "the demo (recipes/train.yaml)")
     node = planned["nodes"][0]

@@ -2,6 +2,7 @@
 each node (four ranks emulating 2 and 4 nodes, as tests/test_row_ownership.py does), its parameter counts are
 those of the megatron model each rank builds, the CLI prints it for a recipe, and a bad layout is a clear error."""
 
+import dataclasses
 import json
 import os
 
@@ -100,3 +101,47 @@ def test_a_bad_layout_is_a_clear_error(args, message, capsys):
     assert exit_.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith("stem-flops: error: ") and message in err, err
+
+
+def _attention_config(mask: bool, groups=None) -> RunConfig:
+    return RunConfig(model=ModelConfig(num_layers=4, hidden_size=64, ffn_hidden_size=96, num_attention_heads=8,
+                                       num_query_groups=groups, vocab_size=V, seq_length=256),
+                     stem=STEMConfig(ratio="1/2"), data=DataConfig(vocab_size=V, reset_attention_mask=mask))
+
+
+@pytest.mark.parametrize("device,te,mask,probabilities,additive_mask", [
+    ("cpu", True, False, 0, 0), ("cpu", True, True, 0, 4),  # CPU flash, with a mask too (fp32, per layer)
+    ("gpu", True, False, 0, 0), ("gpu", True, True, 2, 0),  # TE fused; an arbitrary mask: TE's unfused s x s
+    ("gpu", False, False, 0, 0), ("gpu", False, True, 0, 2),  # SDPA flash; memory-efficient with a bf16 bias
+])
+def test_attention_keeps_no_s_by_s_probabilities_but_on_te_unfused(device, te, mask, probabilities, additive_mask):
+    """What each attention path keeps per token and layer (``attention_kept``): q, k, v (the QKV output while v is a
+    view of it), the output, a logsumexp per head, and only TE's unfused attention the s x s probabilities."""
+    from stem_megatron.flops.memory import attention_kept
+
+    d, heads, s = 64, 8, 256
+    layout = Layout(1, 1, device=device, transformer_engine=te)
+    for groups, kv in ((None, d), (2, 16)):
+        path, kept = attention_kept(_attention_config(mask, groups), layout)
+        w = 2 if device == "gpu" else 4
+        repeated = kv < d and (device == "cpu" or mask)  # K/V repeated to every head, QKV output freed
+        elements = 3 * d if repeated else 2 * d + 3 * kv  # q, k, v
+        elements += d * (1 + (device == "gpu" and not te and mask))  # output (and its batch-first copy)
+        per_head = s * probabilities if probabilities else 4  # s x s probabilities or an fp32 logsumexp
+        assert kept == elements * w + heads * per_head + additive_mask * s, (path, groups)
+    assert ("unfused" in path) == bool(probabilities)
+
+
+
+def test_activations_of_a_token_count_do_not_grow_with_the_sequence():
+    """Without a mask no path keeps anything s x s: the same tokens as 1 x 512 or 2 x 256 plan the same bytes."""
+    from stem_megatron.flops.memory import activation_bytes
+
+    def planned(batch, seq, device):
+        cfg = _attention_config(False)
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, seq_length=seq),
+                                  train=TrainConfig(micro_batch_size=batch, global_batch_size=batch))
+        return activation_bytes(cfg, Layout(1, 1, device=device), 0, 1)
+
+    for device in ("cpu", "gpu"):
+        assert planned(1, 512, device) == planned(2, 256, device) > 0

@@ -14,8 +14,8 @@ Device, per GPU (per rank on CPU, where it is host memory too): dense parameters
 their fp32 gradient buffer (``grad_reduce_in_fp32``), megatron's Adam state (fp32 main parameters on GPU and 2
 moments; sharded over DP with the distributed optimizer), the hot-row cache, the compact rows of every
 micro-batch of a step and their gradients (kept until ``reduce_gradients``), and activations: an estimate of
-what autograd keeps for backward (no recomputation; flash attention on GPU, megatron's local attention with
-its s x s probabilities on CPU) for the micro-batches 1F1B keeps in flight. On CPU with DP > 1 and the
+what autograd keeps for backward (no recomputation; the attention kernel's part by the kernel the run takes,
+``attention_kept``) for the micro-batches 1F1B keeps in flight. On CPU with DP > 1 and the
 distributed optimizer, gloo's flat staging copy of the DDP buffer its reduce-scatter and all-gather make.
 
 Distinct ids per micro-batch default to their bound, min(V, b*s); a run's metrics give the real figure
@@ -64,7 +64,8 @@ class Layout:
     gpus_per_node: int = 8
     tp: int = 1
     pp: int = 1
-    device: str = "gpu"  # gpu: bf16 weights, Transformer Engine attention | cpu: fp32, megatron's local attention
+    device: str = "gpu"  # gpu: bf16 weights | cpu: fp32, SDPAttention (torch's SDPA)
+    transformer_engine: bool = True  # on GPU: TE's attention; False: SDPAttention, as on CPU (no TE installed)
 
     @property
     def world(self) -> int:
@@ -131,24 +132,66 @@ def rank_parameters(cfg: RunConfig, layout: Layout, stage: int) -> tuple[int, in
     return total, experts
 
 
+def attention_kept(cfg: RunConfig, layout: Layout) -> tuple[str, float]:
+    """(the attention kernel every layer of the run takes, and why; the bytes it and its module keep for backward
+    per token and layer on one rank).
+
+    All paths keep q and k after RoPE and v: with K/V grouped (or MHA) v is a view of the fused QKV output, which
+    stays whole (d + 2kv, then d + kv for q and k); repeated to every head (``SDPAttention`` outside the CUDA flash
+    kernel, ``_kernel_takes_grouped_kv``; TE's unfused attention) they are 3 new tensors of d and the QKV output is
+    freed. Then the output: the context ``linear_proj`` keeps is the kernel's own output where the kernel writes it
+    sequence-first (TE; SDPA's CPU flash kernel allocates it like q, measured, and so, assumed, does CUDA flash: the
+    module's reshape is then a view), a copy besides it where it is batch-first (the CUDA memory-efficient). Then
+    either a logsumexp per query and head (fp32) or the s x s probabilities of every head. Attention dropout is
+    fixed at 0 (``model/gpt.py``): with it SDPA would take its math kernel, which keeps the probabilities.
+    """
+    m, tp, gpu = cfg.model, layout.tp, layout.device == "gpu"
+    d, heads, seq = m.hidden_size, m.num_attention_heads, m.seq_length
+    kv = (m.num_query_groups or heads) * (d // heads)
+    w = 2 if gpu else FP32
+    mask = cfg.data.reset_attention_mask  # the batches' per-document bool mask [b, 1, s, s]; else causal, no mask
+    mask_bytes = 0  # per element of an additive [b, 1, s, s] mask the kernel makes from the bool one, per layer
+    if gpu and layout.transformer_engine and mask:
+        path = "TE's unfused attention: TE runs an arbitrary mask in neither flash nor cuDNN; keeps s x s (bf16)"
+        grouped, output_copy, probabilities = False, False, True
+    elif gpu and layout.transformer_engine:
+        path = "TE's fused attention (flash / cuDNN, causal)"
+        grouped, output_copy, probabilities = True, False, False
+    elif gpu and mask:
+        # assumed from torch's documented dispatch: flash takes no mask tensor, so the memory-efficient kernel (or
+        # cuDNN where torch ranks it first) runs; SDPA turns the bool mask into an additive one in q's dtype and the
+        # kernel keeps it for backward: [b, 1, s, s] bf16 per layer (broadcast over heads), no s x s per head
+        path = "SDPA's memory-efficient kernel: CUDA flash takes no mask; keeps the bf16 additive mask per layer"
+        grouped, output_copy, probabilities, mask_bytes = False, True, False, w
+    elif gpu:
+        path = "SDPA's CUDA flash kernel (bf16, is_causal, grouped K/V)"
+        grouped, output_copy, probabilities = True, False, False
+    else:
+        # torch 2.13 takes its CPU flash kernel for fp32 without dropout, a mask or not (measured: a bool mask runs
+        # _scaled_dot_product_flash_attention_for_cpu too, which keeps the mask made additive, fp32, per layer)
+        path = "SDPA's CPU flash kernel" + (" with the per-document mask (keeps it in fp32 per layer)" if mask else "")
+        grouped, output_copy, probabilities, mask_bytes = False, False, False, FP32 * mask
+    qkv = 2 * d + 3 * kv if grouped or kv == d else 3 * d
+    per_head = seq * w if probabilities else FP32  # probabilities or a logsumexp, per query and head
+    return path, (qkv + d * (1 + output_copy)) / tp * w + heads / tp * per_head + mask_bytes * seq
+
+
 def activation_bytes(cfg: RunConfig, layout: Layout, stage: int, in_flight: int) -> int:
     """Estimate of the activations of ``in_flight`` micro-batches of ``stage`` at their peak: the tensors
-    autograd keeps for backward, counted per token and layer as megatron's modules keep them, times
-    ``ACTIVATION_PEAK`` (backward's gradients on top of them)."""
+    autograd keeps for backward, counted per token and layer as megatron's modules and the attention kernel
+    (``attention_kept``) keep them, times ``ACTIVATION_PEAK`` (backward's gradients on top of them)."""
     m, tp = cfg.model, layout.tp
-    d, f, heads, seq = m.hidden_size, m.ffn_hidden_size, m.num_attention_heads, m.seq_length
-    kv = (m.num_query_groups or heads) * (d // heads)
+    f, seq = m.ffn_hidden_size, m.seq_length
     w = 2 if layout.device == "gpu" else FP32
-    hidden = d // tp if cfg.parallel.sequence_parallel else d
-    # the fused QKV output (a view of it, v, is kept), q and k after RoPE, the context; on CPU with GQA k and v
-    # are repeated to every head instead (the QKV output is then freed), and the s x s probabilities are kept
-    attention = 3 * d + 3 * kv if layout.device == "gpu" or kv == d else 4 * d
-    attention = attention / tp + (0 if layout.device == "gpu" else heads / tp * seq)
+    hidden = m.hidden_size // tp if cfg.parallel.sequence_parallel else m.hidden_size
+    attention = attention_kept(cfg, layout)[1]
     replaced = set(planned_layers(m.num_layers, cfg.stem))
     ffn = [FFN_TERMS[cfg.stem.variant if i in replaced else "dense"] for i in _stage_layers(cfg, layout.pp, stage)]
-    per_token = sum((NORM_TERMS * hidden + attention + terms * f / tp) * w for terms in ffn)
-    if stage == layout.pp - 1:  # final norm, output layer input; fp32 logits (their exp, in place, is kept) and on
-        per_token += 2 * hidden * w + m.vocab_size / tp * (FP32 + (w if layout.device == "gpu" else 0))  # GPU the bf16
+    per_token = sum((NORM_TERMS * hidden + terms * f / tp) * w + attention for terms in ffn)
+    per_token += seq * cfg.data.reset_attention_mask  # the batch's bool mask [b, 1, s, s], held once
+    if stage == layout.pp - 1:  # the final norm's 3 as each norm's; fp32 logits (their exp, in place, is kept), on
+        logits = FP32 + (w if layout.device == "gpu" else 0)  # GPU their bf16 copy too
+        per_token += NORM_TERMS // 2 * hidden * w + m.vocab_size / tp * logits
     return int(ACTIVATION_PEAK * per_token * cfg.train.micro_batch_size * seq * in_flight)
 
 
@@ -229,6 +272,7 @@ def plan(cfg: RunConfig, layout: Layout, distinct_ids: Optional[int] = None) -> 
         nodes.append({"node": n, "stages": [e[0] for e in _node_stages(layout, n)], "shared": shared,
                       "ranks": ranks, "total": sum(shared.values()) + sum(ranks.values())})
     return {"layout": asdict(layout) | {"dp": dp}, "micro_batches": micro, "distinct_ids": uniq,
+            "attention": attention_kept(cfg, layout)[0],
             "optimizer": s.optimizer, "distributed_optimizer": par.use_distributed_optimizer, "stages": stages,
             "nodes": nodes}
 
@@ -243,6 +287,7 @@ def print_plan(result: dict, title: str, machine: Optional[tuple[str, int, int]]
           f"{'bf16 on GPU' if lay['device'] == 'gpu' else 'fp32 on CPU'}, "
           f"{'distributed' if result['distributed_optimizer'] else 'replicated'} Adam; {result['micro_batches']} "
           f"micro-batch(es) a step, <= {result['distinct_ids']:,} distinct ids each; STEM Adam {result['optimizer']}")
+    print(f"  attention: {result['attention']}")
     stages = result["stages"]
     _table(f"per {unit}", [f"stage {s['stage']}" for s in stages], DEVICE_PARTS,
            [s["device"] for s in stages], [s["device_total"] for s in stages])
@@ -254,7 +299,7 @@ def print_plan(result: dict, title: str, machine: Optional[tuple[str, int, int]]
            [g[0]["total"] for g in groups.values()])
     if lay["device"] == "gpu":
         print("processes: measured on CPU; a CUDA process's context and libraries come on top. Activations: an "
-              "estimate (docs/memory.md)")
+              "estimate (docs/memory.md)" + ("" if lay["transformer_engine"] else "; without Transformer Engine"))
     if machine:
         directory, free, available = machine
         most = max(result["nodes"], key=lambda n: n["total"])

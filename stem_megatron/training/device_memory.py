@@ -16,6 +16,7 @@ import torch
 
 from stem_megatron.config import RunConfig
 from stem_megatron.flops.memory import GIB, Layout, plan
+from stem_megatron.parallel import have_transformer_engine
 
 
 def out_of_memory_in(error: BaseException) -> Optional[torch.OutOfMemoryError]:
@@ -32,7 +33,8 @@ def out_of_memory_in(error: BaseException) -> Optional[torch.OutOfMemoryError]:
 def planned_device_bytes(cfg: RunConfig, rank: int, world: int, per_node: int, gpu: bool) -> int:
     """The plan's device bytes of ``rank``'s pipeline stage (ranks in megatron's order: TP, then DP, then PP)."""
     tp, pp = cfg.parallel.tensor_model_parallel_size, cfg.parallel.pipeline_model_parallel_size
-    layout = Layout(max(1, world // per_node), per_node, tp, pp, "gpu" if gpu else "cpu")
+    layout = Layout(max(1, world // per_node), per_node, tp, pp, "gpu" if gpu else "cpu",
+                    transformer_engine=have_transformer_engine())  # its attention kernel decides the activations
     stages = plan(cfg, layout)["stages"]
     return stages[min(rank // (world // pp), pp - 1)]["device_total"]
 
