@@ -8,28 +8,16 @@ in subprocesses given the machine's GPUs back (the ``gpu_env`` fixture); elsewhe
 
 import os
 import random
-import shutil
-import subprocess
 
 import pytest
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
-
-
-def _machine_gpus() -> int:
-    """GPUs the driver lists, read without torch (which must not see them in this process)."""
-    if shutil.which("nvidia-smi") is None:
-        return 0
-    try:
-        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=60).stdout
-    except (OSError, subprocess.SubprocessError):
-        return 0
-    return sum(line.startswith("GPU ") for line in out.splitlines())
-
-
-GPUS = _machine_gpus()
 _VISIBLE = os.environ.get("CUDA_VISIBLE_DEVICES")
-os.environ["CUDA_VISIBLE_DEVICES"] = ""
+os.environ["CUDA_VISIBLE_DEVICES"] = ""  # before anything imports torch
+
+from stem_megatron.doctor.cuda import nvidia_smi_gpus  # noqa: E402 - after hiding the GPUs from torch
+
+GPUS = nvidia_smi_gpus()  # the driver's list: nvidia-smi does not read CUDA_VISIBLE_DEVICES
 
 
 def gpu_env(**extra: str) -> dict[str, str]:
@@ -52,6 +40,7 @@ def pytest_collection_modifyitems(config, items):
     if gpu:
         config.hook.pytest_deselected(items=gpu)
         items[:] = [item for item in items if not item.get_closest_marker("gpu")]
+
 
 VOCAB = 400
 WORDS = "the heap queue sorts tuples by key; def f(x): return x ** 2 # comment über naïve".split()
