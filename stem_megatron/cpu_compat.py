@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+from importlib import metadata
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -132,17 +133,19 @@ def enable() -> None:
     """Activate the CPU redirection in this thread (idempotent)."""
     if getattr(_state, "mode", None) is not None:
         return
-    import megatron.core
     from megatron.core.distributed import param_and_grad_buffer
     from megatron.core.tensor_parallel import random as mcore_random
     from megatron.core.transformer.moe import token_dispatcher
 
-    if megatron.core.__version__ != CHECKED_MEGATRON_CORE:
+    # the installed release: megatron.core.__version__ appends the short hash of whatever git repository holds its
+    # files (0.19.2+<our commit> when the venv sits in this checkout, as `make setup` makes it)
+    found = metadata.version("megatron-core")
+    if found != CHECKED_MEGATRON_CORE:
         import warnings
 
         warnings.warn(
             f"stem_megatron.cpu_compat was checked against megatron-core {CHECKED_MEGATRON_CORE}, "
-            f"found {megatron.core.__version__}; run tests/test_cpu_compat.py before trusting results."
+            f"found {found}; run tests/test_cpu_compat.py before trusting results."
         )
     quiet.install_cpu()
     # "cpu", not an index: autograd runs custom backward functions (megatron's all-to-all) outside

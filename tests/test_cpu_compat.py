@@ -68,3 +68,26 @@ def test_cuda_calls_are_redirected_to_cpu():
     assert out["type"] == "torch.cuda.FloatTensor" and out["type_cast"]
     assert out["fork_restores_default_rng"] and out["default_stream_continues"]
     assert out["one_rank_identity"]
+
+
+def test_the_installed_megatron_release_is_the_checked_one():
+    """No version notice for the release cpu_compat was checked against, wherever the venv is: megatron-core 0.19
+    appends the hash of the git repository around its files to ``megatron.core.__version__`` (0.19.2+<our commit>
+    for `make setup`'s .venv inside the checkout, as in CI), which made every CPU run warn."""
+    import subprocess
+    import sys
+    from importlib import metadata
+
+    from stem_megatron import cpu_compat
+
+    assert metadata.version("megatron-core") == cpu_compat.CHECKED_MEGATRON_CORE  # pyproject's pin, checked here
+    script = """
+import warnings
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    from stem_megatron import cpu_compat
+    cpu_compat.enable()
+print([str(w.message) for w in caught if "was checked against" in str(w.message)])
+"""
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and proc.stdout.strip() == "[]", proc.stdout + proc.stderr
