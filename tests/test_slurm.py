@@ -90,15 +90,19 @@ def test_pretrain_script_runs_tiny_cpu_job(slurm, corpus, tmp_path):
     assert config["parallel"]["tensor_model_parallel_size"] == 2
 
 
-def test_gpu_job_with_cpu_torch_stops_before_srun(slurm, corpus, tmp_path):
-    """A GPU job (GPUS_PER_NODE=2) whose venv has CPU torch, as when setup ran on the login node, ends at once
-    with the fix instead of training on the CPU."""
+def test_gpu_job_where_torch_sees_no_gpu_stops_before_srun(slurm, corpus, tmp_path):
+    """A GPU job (GPUS_PER_NODE=2) on a node where torch can use no GPU ends at once with the fix instead of training
+    on the CPU: a venv with CPU torch (setup ran on the login node), or CUDA torch on a node without usable GPUs (this
+    machine: PyPI's torch for Python 3.12 is the CUDA build)."""
+    import torch
+
+    reason = "this venv has a CPU build of torch" if torch.version.cuda is None else "finds no usable GPU"
     proc = submit(tmp_path, "--wait", *SBATCH_CPU, str(SCRIPT), *tiny(corpus, tmp_path / "run", 3), timeout=120,
                   env={"GPUS_PER_NODE": "2"})
     job_id = proc.stdout.strip().split(";")[0]
     text = (tmp_path / "logs" / f"pretrain_1b-{job_id}.out").read_text()
     assert proc.returncode != 0 and job_info(job_id)["ExitCode"] == "2:0", text
-    assert "this venv has a CPU build of torch" in text and "make setup STEM_DEVICE=gpu" in text
+    assert reason in text and "make setup STEM_DEVICE=gpu" in text
     assert "srun:" not in text and not (tmp_path / "run").exists()
 
 
