@@ -190,14 +190,11 @@ def compose(overrides: list[str]):
 
 
 def planned_bytes(overrides: list[str], nproc: int, gpu: bool) -> Optional[int]:
-    """The memory plan's device bytes per GPU (per rank on CPU) of rank 0's stage."""
-    from stem_megatron.flops.memory import Layout, plan
+    """The memory plan's device bytes per GPU (per rank on CPU) of rank 0's stage, as the out-of-memory line plans."""
+    from stem_megatron.training.device_memory import planned_device_bytes
 
     try:
-        cfg = compose(overrides)
-        p = cfg.parallel
-        layout = Layout(1, nproc, p.tensor_model_parallel_size, p.pipeline_model_parallel_size, "gpu" if gpu else "cpu")
-        return plan(cfg, layout)["stages"][0]["device_total"]
+        return planned_device_bytes(compose(overrides), 0, nproc, nproc, gpu)
     except Exception:  # noqa: BLE001 - a layout the plan refuses: the run says why
         return None
 
