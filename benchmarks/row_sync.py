@@ -264,11 +264,13 @@ def _emulated_node(rank: int, nodes: int, port: int, p: np.ndarray, e: Emulation
         store.refresh(torch.unique(draw(1)))
         records = []
         for step in range(1, e.steps + 1):
-            fetched = store.fetch(draw(step))
+            tokens = draw(step)
+            store.begin_step(1, torch.unique(tokens))
+            fetched = store.fetch(tokens, torch.unique(tokens))
             for layer, rows in fetched.fetched.rows.items():
                 rows = rows.clone().requires_grad_()
-                rows.grad = torch.full_like(rows, 1e-3)
-                store.register(layer, fetched.uniq, rows)
+                store.register(layer, fetched, rows)
+                rows.backward(torch.full_like(rows, 1e-3))
             store.reduce_gradients()
             store.step(1e-3, torch.unique(draw(step + 1)))
             stats = store.take_stats()

@@ -63,6 +63,8 @@ class STEMConfig:
     read_dtype: str = "fp32"  # host tables: each node's copy of the tables fp32 | bf16 (fp32 masters at the owners)
     # host tables: send a layer's row gradients to their owners while backward runs through the earlier layers
     overlap_exchange: bool = True
+    # host tables: CPU Adam on the rows the next step reads first, on the others while the next step runs
+    overlap_update: bool = True
     # hash_moe (the Hash-Layer baseline): experts per replaced layer, their d_ff, the token->expert map
     num_experts: int = 16
     expert_ffn_hidden_size: Optional[int] = None  # None: model.ffn_hidden_size

@@ -344,7 +344,7 @@ class _Store:
 
     vocab_size, layers = V, [1]
 
-    def register(self, layer, uniq, rows):
+    def register(self, layer, prefetched, rows):
         self.rows = rows
 
 
@@ -372,3 +372,31 @@ def test_repeated_token_gradients_add_up_in_fp32_under_bf16():
     exact = grad.double().sum(dim=(0, 1))
     assert store.rows.grad.dtype == torch.float32
     assert torch.allclose(store.rows.grad[0].double(), exact, rtol=1e-6), (store.rows.grad[0], exact)
+
+
+def test_rows_travel_in_the_compute_precision_and_change_nothing():
+    """With a bf16 model the rows cross to the device in bf16 (half the bytes of fp32 tables); the layer casts
+    its fp32 row leaf to bf16 before any use, so the forward and the row gradients are bitwise those of fp32
+    rows. A table narrower than the compute dtype is not widened."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from stem_megatron.host_tables.row_source import HostRowSource
+    from stem_megatron.host_tables.transfer import Fetched, HostToDevice, PrefetchedRows
+    from stem_megatron.model.token_context import MicroBatchTokens
+
+    table, ids = torch.randn(20, 4), torch.tensor([3, 7, 11])
+    sent = HostToDevice(torch.device("cpu"), dtype=torch.bfloat16).gather(table, ids)
+    assert sent.dtype == torch.bfloat16 and torch.equal(sent, table[ids].bfloat16())
+    assert HostToDevice(torch.device("cpu"), dtype=torch.float32).gather(table.bfloat16(), ids).dtype == torch.bfloat16
+    config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1, ffn_hidden_size=4,
+                               params_dtype=torch.bfloat16)
+    inverse = torch.randint(0, 3, (2, 6), generator=torch.Generator().manual_seed(1))
+    grad = torch.randn(6, 2, 4, generator=torch.Generator().manual_seed(2)).bfloat16()
+    results = []
+    for rows in (table[ids], sent.float()):
+        source = HostRowSource(config, V, _Store())
+        source.set_layer_number(1)
+        out = source(MicroBatchTokens(ids[inverse], PrefetchedRows(ids, inverse, Fetched({1: rows}, None, {}))))
+        out.backward(grad)
+        results.append((out.detach(), source.store.rows.grad))
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])

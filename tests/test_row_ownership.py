@@ -54,7 +54,8 @@ def _owned_training(nodes: int, optimizer: str, wire: str, cache_rows: int, copi
     store.refresh(torch.unique(_tokens(1, rank)))
     for step in range(1, STEPS + 1):
         tokens = _tokens(step, rank)
-        fetched = store.fetch(tokens)
+        store.begin_step(1, torch.unique(tokens))
+        fetched = store.fetch(tokens, torch.unique(tokens))
         uniq, owners = fetched.uniq, _owners_rows(store)
         grads = {}
         for layer in LAYERS:
@@ -66,8 +67,8 @@ def _owned_training(nodes: int, optimizer: str, wire: str, cache_rows: int, copi
             grads[layer] = torch.randn(uniq.numel(), D_FF, generator=torch.Generator().manual_seed(step * 7 + layer
                                                                                                    + 1000 * rank))
             rows = read.clone().requires_grad_()
-            rows.grad = grads[layer]
-            store.register(layer, uniq, rows)
+            store.register(layer, fetched, rows)
+            rows.backward(grads[layer])
         sq = float(store.reduce_gradients())
         everyone = [None] * world
         dist.all_gather_object(everyone, (uniq, grads))

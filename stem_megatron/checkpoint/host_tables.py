@@ -46,6 +46,7 @@ def _sharded(store: HostTableStore, kinds: tuple[str, ...], loading: bool) -> di
 def save(store: HostTableStore, directory: Path) -> None:
     """Write this stage's master rows and moments (collective over the world)."""
     Path(directory).mkdir(exist_ok=True)
+    store.settle()
     dist_checkpointing.save(_sharded(store, KINDS, loading=False), str(directory))
 
 

@@ -7,15 +7,16 @@ the rows the node owns (2 x ``[tp, owned, d_ff/tp]``, owned = the node's range o
 the N nodes its DP group spans), with bf16 copies also their fp32 master rows (``[tp, owned, d_ff/tp]``):
 exactly the files ``node.shared_tensors`` creates. Per rank: the process (python, torch, megatron, DeepSpeed's
 op, gloo, datasets; measured), the row gradients CPU Adam reads, and on GPU the pinned buffers fetched rows
-pass through (two micro-batches' rows: one being copied, the next being gathered). The dense model has no
-host copy.
+pass through (two micro-batches' rows in bf16: one being copied, the next being gathered) and the two steps'
+landing buffers of the row gradients (the step's, and the last one's that CPU Adam may still read). The
+dense model has no host copy.
 
 Device, per GPU (per rank on CPU, where it is host memory too): dense parameters (bf16 on GPU, fp32 on CPU),
 their fp32 gradient buffer (``grad_reduce_in_fp32``), megatron's Adam state (fp32 main parameters on GPU and 2
-moments; sharded over DP with the distributed optimizer), the hot-row cache, the compact rows of every
-micro-batch of a step and their gradients (kept until ``reduce_gradients``), and activations: an estimate of
-what autograd keeps for backward (no recomputation; the attention kernel's part by the kernel the run takes,
-``attention_kept``) for the micro-batches 1F1B keeps in flight. On CPU with DP > 1 and the
+moments; sharded over DP with the distributed optimizer), the hot-row cache, the compact rows of the
+micro-batches in flight and the step's merged row gradients (``step_pipeline.RowGradients``), and
+activations: an estimate of what autograd keeps for backward (no recomputation; the attention kernel's part
+by the kernel the run takes, ``attention_kept``) for the micro-batches 1F1B keeps in flight. On CPU with DP > 1 and the
 distributed optimizer, gloo's flat staging copy of the DDP buffer its reduce-scatter and all-gather make.
 
 Distinct ids per micro-batch default to their bound, min(V, b*s); a run's metrics give the real figure
@@ -47,7 +48,7 @@ FFN_TERMS = {"dense": 5, "stem": 4, "stem_gate": 4, "stem_dagger": 4, "hash_moe"
 ACTIVATION_PEAK = 1.4
 DEVICE_PARTS = {
     "parameters": "parameters", "gradients": "gradients (fp32)", "optimizer": "Adam state",
-    "hot_row_cache": "hot-row cache", "step_rows": "STEM rows + grads of a step", "activations": "activations (est.)",
+    "hot_row_cache": "hot-row cache", "step_rows": "STEM rows + step row grads", "activations": "activations (est.)",
     "gloo_staging": "gloo staging of a DDP buffer"}
 NODE_PARTS = {
     "tables": "U_l copies (every row)", "masters": "fp32 master rows (owned; bf16 copies)",
@@ -232,6 +233,7 @@ def plan(cfg: RunConfig, layout: Layout, distinct_ids: Optional[int] = None) -> 
     V, gpu, dp, row = m.vocab_size, layout.device == "gpu", layout.dp, m.ffn_hidden_size // layout.tp * FP32
     micro = t.global_batch_size // (t.micro_batch_size * dp)
     uniq = min(V, distinct_ids or t.micro_batch_size * m.seq_length)
+    step_uniq = min(V, micro * uniq)  # distinct ids of a step (one DP rank's micro-batches)
     copy_row = row // (2 if s.read_dtype == "bf16" else 1)  # a row of the host copies, the cache and staging
     stages = []
     for p in range(layout.pp):
@@ -240,14 +242,18 @@ def plan(cfg: RunConfig, layout: Layout, distinct_ids: Optional[int] = None) -> 
         expert_dp = dp * layout.tp // par.expert_model_parallel_size
         sharded = (params - experts) / dp + experts / expert_dp if par.use_distributed_optimizer else params
         layers = len(host_stem_layers(cfg, layout.pp, p))
+        in_flight = min(micro, layout.pp - p)  # micro-batches 1F1B holds between forward and backward
         device = {
             "parameters": params * (2 if gpu else FP32),
             "gradients": params * FP32,
             "optimizer": int(state * sharded),
             "hot_row_cache": layers * min(s.cache_rows, V) * copy_row,
-            # every micro-batch's rows and gradients until the step's reduce, and its merge of one layer
-            "step_rows": (2 * layers + 2 * bool(layers)) * micro * uniq * row,
-            "activations": activation_bytes(cfg, layout, p, min(micro, layout.pp - p)),
+            # the step's merged row gradients (one buffer a layer over its distinct ids), the fp32 rows of the
+            # micro-batches in flight and queued by the prefetcher, one micro-batch's gradient being merged and
+            # one layer's exchange (step_pipeline.RowGradients)
+            "step_rows": (layers * step_uniq + min(micro, in_flight + s.prefetch_depth) * layers * uniq
+                          + bool(layers) * (uniq + 2 * step_uniq)) * row,
+            "activations": activation_bytes(cfg, layout, p, in_flight),
             # CPU: gloo's reduce-scatter of the grad buffer and all-gather of the param buffer (distributed
             # optimizer, DP > 1; one bucket) stage a flat copy of the whole buffer; skipped at DP = 1 (cpu_compat)
             "gloo_staging": params * FP32 * (not gpu and dp > 1 and par.use_distributed_optimizer),
@@ -264,8 +270,10 @@ def plan(cfg: RunConfig, layout: Layout, distinct_ids: Optional[int] = None) -> 
             grads = layers * touched * (row + 8) + (mine * row if s.optimizer == "dense" and layers else 0)
             ranks["process"] += count * PROCESS_BYTES
             ranks["adam_gradients"] += count * grads
-            # pinned copies of a micro-batch's rows in flight and of the next (torch's host allocator keeps them)
-            ranks["pinned_rows"] += count * layers * 2 * uniq * copy_row * gpu
+            # pinned staging of a micro-batch's rows in flight and of the next (bf16: the compute precision), and
+            # the landing buffers of the row gradients a rank updates, two steps' worth (transfer.DeviceToHost)
+            wire_row = min(copy_row, row // 2)
+            ranks["pinned_rows"] += count * layers * (2 * uniq * wire_row + 2 * touched * (row + 8)) * gpu
             ranks["device_parts"] += count * stages[stage]["device_total"] * (not gpu)
         ranks["process"] += LIBRARY_BYTES
         shared = node_shared_bytes(cfg, layout, n)

@@ -33,6 +33,7 @@ _END = object()
 class RowPrefetcher:
     def __init__(self, data: Iterator[dict], store: HostTableStore, num_micro_batches: int, depth: int = 2):
         self.store = store
+        self.announced = torch.empty(0, dtype=torch.int64)  # ids of the step ``next_ids`` last returned
         self.wait_s = 0.0
         self._queue: queue.Queue = queue.Queue(maxsize=depth)
         self._announced: queue.Queue = queue.Queue()  # each step's ids, then _END (or _Failed)
@@ -65,12 +66,13 @@ class RowPrefetcher:
 
     def _run(self, step: list[dict]) -> bool:
         """Announce a step's ids, wait for its release, fetch its rows; False once stopped."""
-        self._announced.put(torch.unique(torch.cat([batch["tokens"].flatten() for batch in step])))
+        ids = torch.unique(torch.cat([batch["tokens"].flatten() for batch in step]))
+        self._announced.put(ids)
         while not self._released.acquire(timeout=0.1):
             if self._stop.is_set():
                 return False
         for batch in step:
-            batch["stem"] = self.store.fetch(batch["tokens"])
+            batch["stem"] = self.store.fetch(batch["tokens"], ids)
             self._put(batch)
         return not self._stop.is_set()
 
@@ -93,6 +95,7 @@ class RowPrefetcher:
         if item is _END:
             self._ended = True
             return torch.empty(0, dtype=torch.int64)
+        self.announced = item
         return item
 
     def release(self) -> None:

@@ -42,7 +42,7 @@ class HostRowSource(MegatronModule):
         rows = prefetched.fetched.rows[self.layer_number]
         if torch.is_grad_enabled():
             rows = rows.detach().requires_grad_()
-            self.store.register(self.layer_number, prefetched.uniq, rows)
+            self.store.register(self.layer_number, prefetched, rows)
         # Gather in fp32, then cast to the model's dtype (bf16 on GPU): the backward of the gather adds the
         # gradients of a token's repeats in fp32 into the fp32 compact leaf (gathering bf16 rows would
         # add them in bf16)

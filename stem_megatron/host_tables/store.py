@@ -11,25 +11,19 @@ owner just before they are read.
 A step, as driven by the training loop and the prefetcher:
 1. ``fetch`` (prefetch thread): rows of a micro-batch's unique ids from the node's copy, which
    ``refresh`` made current for exactly these ids before the prefetcher was released.
-2. ``register`` (forward of ``HostRowSource``): the compact row tensor whose ``.grad`` backward fills.
-3. ``reduce_gradients``: per layer, merge the micro-batches' compact gradients by id and send them to the
-   owners (``exchange.RowExchange.to_owners``), which average over DP; the squared norm for global clipping.
-   With ``overlap`` (after ``begin_step``), a layer is sent by an exchange thread as soon as the step's last
-   micro-batch's backward has filled its rows' gradients (a post-accumulate-grad hook), while backward goes
-   on through the earlier layers; ``reduce_gradients`` then waits for that thread and sends what is left.
-   Backward finishes layers in the same order on every rank of an exchange group, so the thread issues the
-   groups' collectives in the same order everywhere. CPU Adam cannot start earlier: the clipping norm needs
-   every layer's gradients.
-4. ``step``: CPU Adam on the rows this rank owns, then ``refresh`` for the next step's ids: rows updated
-   elsewhere that this node reads next are pulled from their owners (rows read in step s+1 reflect step s).
+2. ``begin_step`` and ``register`` (forward of ``HostRowSource``): the compact row tensor whose ``.grad``
+   backward fills, merged into the step's gradients as it does (``step_pipeline.RowGradients``).
+3. ``reduce_gradients``: every layer's gradients at their owners, averaged over DP, on the host; the
+   squared norm for global clipping.
+4. ``step``: CPU Adam on the rows this rank owns, the rows any rank reads next first, then ``refresh``
+   for the next step's ids: rows updated elsewhere that this node reads next are pulled from their owners
+   (rows read in step s+1 reflect step s); the other rows are updated while the next step runs
+   (``step_pipeline.RowUpdates``).
 """
 
 from __future__ import annotations
 
-import functools
 import secrets
-import time
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Optional
 
 import torch
@@ -45,7 +39,9 @@ from stem_megatron.host_tables.exchange import DTYPES, RowExchange
 from stem_megatron.host_tables.node import SHM_DIR, node_layout, shared_tensors
 from stem_megatron.host_tables.ownership import RowOwnership
 from stem_megatron.host_tables.row_adam import RowAdam
-from stem_megatron.host_tables.transfer import HostToDevice, PrefetchedRows, fetch_rows
+from stem_megatron.host_tables.step_pipeline import RowGradients, RowUpdates
+from stem_megatron.host_tables.transfer import (HostToDevice, PrefetchedRows, fetch_rows, landed,
+                                                travel_dtype)
 from stem_megatron.layer_plan import planned_layers
 from stem_megatron.model.device_table import table_init_std, table_row_chunks
 
@@ -70,6 +66,8 @@ class HostTableStore:
         wire_dtype: str = "fp32",
         read_dtype: str = "fp32",
         overlap: bool = True,
+        overlap_update: bool = True,
+        compute_dtype: Optional[torch.dtype] = None,
     ):
         """Collective over the world (node and exchange groups and the shared tables are created here)."""
         if optimizer not in ("lazy", "dense"):
@@ -114,16 +112,12 @@ class HostTableStore:
         self.current = torch.ones(vocab_size, dtype=torch.bool)
         self.adam = RowAdam(betas, eps, weight_decay)
         self.cache = HotRowCache(cache_rows, vocab_size, self.device)
-        self.h2d = HostToDevice(self.device)
+        self.compute_dtype = compute_dtype
+        self.h2d = HostToDevice(self.device, dtype=compute_dtype)
         self.steps_done = 0
-        self._pending: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {layer: [] for layer in self.layers}
-        self._grads: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        # overlap: one thread sends layers in the order backward finishes them; micro-batches of the step
-        # (None: no step begun, every layer is sent by reduce_gradients) and how many filled each layer
-        self._sender = ThreadPoolExecutor(1, "stem-exchange", self._sender_device) if overlap else None
-        self._micro_batches: Optional[int] = None
-        self._filled = dict.fromkeys(self.layers, 0)
-        self._sent: dict[int, Future] = {}
+        self.grads = RowGradients(self.layers, self.cols, self.exchange, self.dp_group, self.device, overlap)
+        self.updates = RowUpdates(overlap_update)
+        self._grads: dict = {}  # layer -> (ids, gradients, copy event) of the step, on the host
         self._stats = self._new_stats()
 
     def _init_table(self, full: torch.Tensor, layer: int, seed: int, std: float, owned: bool) -> None:
@@ -141,6 +135,7 @@ class HostTableStore:
     def table(self, layer: int) -> torch.Tensor:
         """``U_l`` as a V x d_ff fp32 matrix from this node's copy (all TP blocks are in the node's shared
         file), by token id; current where ``refresh`` made it so."""
+        self.settle()
         full = self.full[layer, "weight"][:, self.own.position(torch.arange(self.vocab_size))]
         return full.transpose(0, 1).reshape(self.vocab_size, self.d_ff).float()
 
@@ -148,6 +143,7 @@ class HostTableStore:
         """``U_l`` as a V x d_ff matrix of the owners' fp32 master rows, on DP rank 0 (None elsewhere); a
         collective over the first peers of this DP group's nodes (all TP blocks of a node's master rows are
         in its shared files)."""
+        self.settle()
         if self.node.peer_index != 0:
             return None
         block = self.full[layer, "master"] if (layer, "master") in self.full else \
@@ -166,6 +162,7 @@ class HostTableStore:
     def load_tables(self, tables: dict[int, torch.Tensor]) -> None:
         """Overwrite this rank's column block of each ``U_l`` from V x d_ff matrices by token id (node
         collective)."""
+        self.settle()
         every = torch.arange(self.vocab_size)
         for layer, table in tables.items():
             block = table[:, self.tp_rank * self.cols:(self.tp_rank + 1) * self.cols]
@@ -186,10 +183,17 @@ class HostTableStore:
 
     def restore_step(self, steps_done: int) -> None:
         """After loading a checkpoint (every node holds every row): continue the Adam step count."""
+        self.settle()
         self.steps_done = steps_done
         self.current.fill_(True)
         self.cache.choose(steps_done)
         self._reload_cache()
+
+    def settle(self) -> None:
+        """Wait for the last step's CPU Adam (``step_pipeline.RowUpdates``) on every peer of the node (their
+        rows share its copy): call before reading tables or moments whole. Collective over the node."""
+        self.updates.settle()
+        dist.barrier(self.node.group)
 
     @property
     def host_bytes(self) -> int:
@@ -197,13 +201,14 @@ class HostTableStore:
         return sum(t.numel() * t.element_size() for t in self.full.values())
 
     # ---- prefetch side (background thread) ----
-    def fetch(self, tokens: torch.Tensor) -> PrefetchedRows:
+    def fetch(self, tokens: torch.Tensor, step_ids: Optional[torch.Tensor] = None) -> PrefetchedRows:
         """Rows ``U_l[unique ids, my columns]`` of every local STEM layer for a micro-batch's ``tokens``,
-        on their way to the compute device (``transfer.fetch_rows``)."""
+        on their way to the compute device (``transfer.fetch_rows``); training passes the ``step_ids``
+        (sorted) of the micro-batch's step."""
         prefetched, hit = fetch_rows(tokens, self.vocab_size, self.weight, self.cache, self.h2d,
-                                     at=self.own.position)
+                                     at=self.own.position, step_ids=step_ids)
         uniq, misses = prefetched.uniq.numel(), int((~hit).sum())
-        row_bytes = self.cols * torch.tensor([], dtype=self.read_dtype).element_size()
+        row_bytes = self.cols * travel_dtype(self.read_dtype, self.compute_dtype).itemsize
         prefetched.fetched.stats.update(
             unique_tokens=uniq, rows_fetched=misses * len(self.layers),
             bytes_to_device=misses * row_bytes * len(self.layers),
@@ -216,105 +221,95 @@ class HostTableStore:
         for key, value in stats.items():
             self._stats[key] += value
 
-    def begin_step(self, micro_batches: int) -> None:
-        """A training step of ``micro_batches`` starts: with overlap, each layer is sent to its owners once
-        that many of its micro-batches have their gradients."""
-        self._micro_batches = micro_batches
-        self._filled = dict.fromkeys(self.layers, 0)
+    def begin_step(self, micro_batches: int, ids: torch.Tensor) -> None:
+        """A training step of ``micro_batches`` that reads the sorted ``ids`` (the prefetcher's announcement)
+        starts."""
+        self.grads.begin(ids, micro_batches)
 
-    def register(self, layer: int, uniq: torch.Tensor, rows: torch.Tensor) -> None:
-        """Keep a micro-batch's compact rows; backward fills ``rows.grad`` (unique ids x columns)."""
-        self._pending[layer].append((uniq, rows))
-        if self._sender is not None and self._micro_batches is not None:
-            rows.register_post_accumulate_grad_hook(functools.partial(self._filled_one, layer))
-
-    def _filled_one(self, layer: int, _rows: torch.Tensor) -> None:
-        """Backward hook: after the step's last micro-batch, layer ``layer``'s gradients are final."""
-        self._filled[layer] += 1
-        if self._filled[layer] == self._micro_batches:
-            ready = torch.cuda.Event() if self.device.type == "cuda" else None
-            if ready is not None:
-                ready.record()  # the gradients are written on backward's stream; the sender waits for them
-            self._sent[layer] = self._sender.submit(self._send_layer, layer, ready)
-
-    def _sender_device(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)  # the current device is per thread
-
-    def _send_layer(self, layer: int, ready=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Merge layer ``layer``'s micro-batch gradients by id and send them to their owners; returns (ids
-        this rank updates, their DP-averaged gradients on the host, the squared norm of those rows)."""
-        if ready is not None:
-            torch.cuda.current_stream(self.device).wait_event(ready)
-        items = self._pending[layer]
-        ids = torch.cat([u.to(self.device) for u, _ in items] or [torch.empty(0, dtype=torch.int64,
-                                                                               device=self.device)])
-        grads = torch.cat([r.grad for _, r in items] or [torch.empty(0, self.cols, device=self.device)])
-        items.clear()
-        merged, inverse = torch.unique(ids, return_inverse=True)
-        compact = torch.zeros(merged.numel(), self.cols, device=self.device).index_add_(0, inverse, grads)
-        owned, summed = self.exchange.to_owners(merged, compact)
-        summed /= dist.get_world_size(self.dp_group)
-        self._stats["bytes_from_device"] += summed.numel() * 4
-        return owned.cpu(), summed.cpu(), summed.pow(2).sum()  # only the rows this rank updates go to host
+    def register(self, layer: int, prefetched: PrefetchedRows, rows: torch.Tensor) -> None:
+        """A micro-batch's compact rows (its distinct ids x columns) whose ``.grad`` backward fills."""
+        self.grads.track(layer, prefetched.in_step, rows)
 
     def reduce_gradients(self) -> torch.Tensor:
-        """Every layer's gradients at their owners (DP-averaged), those sent during backward first; returns
-        the squared norm of the STEM gradients summed over DP, TP and PP (each row counted once)."""
-        start = time.perf_counter()
-        sent = {layer: future.result() for layer, future in self._sent.items()}  # the thread is idle after
-        self._stats["layers_sent_in_backward"] += len(sent)
-        self._sent.clear()
-        sq = torch.zeros((), dtype=torch.float32, device=self.device)
-        for layer in self.layers:
-            owned, grads, layer_sq = sent[layer] if layer in sent else self._send_layer(layer)
-            self._grads[layer] = (owned, grads)
-            sq += layer_sq
-        self._micro_batches = None
-        self._stats["exchange_wait_s"] += time.perf_counter() - start
-        dist.all_reduce(sq, group=self.dp_group)
-        dist.all_reduce(sq, group=parallel_state.get_model_parallel_group())
+        """Every layer's gradients at their owners (DP-averaged, landing on the host); returns the squared
+        norm of the STEM gradients summed over DP, TP and PP (each row counted once)."""
+        self._grads, sq = self.grads.reduce()
         return sq
 
     def scale_gradients(self, coef: float) -> None:
-        for _, grads in self._grads.values():
+        for _, grads, event in self._grads.values():
+            landed(event)
             grads.mul_(coef)
 
     def step(self, lr: float, next_ids: torch.Tensor) -> None:
         """CPU Adam on the rows this rank owns, then ``refresh`` for ``next_ids`` (the ids this rank reads
-        in the next step) and the hot-row cache."""
-        start = time.perf_counter()
+        in the next step) and the hot-row cache. Rows any rank of the DP group reads next are updated before
+        the refresh; the others after it, beside the next step (``stem.overlap_update``)."""
+        self.settle()
         step = self.steps_done + 1
-        updated = torch.empty(0, dtype=torch.int64)
+        self.cache.choose(step)
+        reads = torch.cat([next_ids, self.cache.ids])
+        read_next = self._read_next(reads)
+        first, rest, updated = [], [], torch.empty(0, dtype=torch.int64)
         for layer in self.layers:
-            ids, grads = self._grads.pop(layer, (torch.empty(0, dtype=torch.int64), torch.empty(0, self.cols)))
+            ids, grads, event = self._grads.pop(layer, (torch.empty(0, dtype=torch.int64),
+                                                        torch.empty(0, self.cols), None))
+            landed(event)
             updated = torch.unique(torch.cat([updated, ids]))
-            local, order = torch.sort(self.own.local(ids))  # rows of the node's master block
-            grads = grads[order]
+            local, read = self.own.local(ids), read_next[ids]
+            order = torch.argsort(local + (~read) * self.vocab_size)  # rows read next first, each part by row
+            local, grads, k = local[order], grads[order], int(read.sum())
             if self.mode == "dense":  # every row this rank owns, zero gradients for untouched ones
                 rows = self.own.my_local()
-                dense = torch.zeros(rows.numel(), self.cols)
-                dense[torch.searchsorted(rows, local)] = grads
-                local, grads = rows, dense
-            self.adam.update_rows(step, lr, local, grads, self.master[layer], self.exp_avg[layer],
-                                  self.exp_avg_sq[layer])
-            if self.read_dtype != torch.float32:  # the node's copy of its own rows, rounded
-                self.weight[layer][self.own.lo + local] = self.master[layer][local].to(self.read_dtype)
-            self._stats["rows_updated"] += local.numel()
-        self._stats["cpu_adam_s"] += time.perf_counter() - start
+                now = read_next[self.own.ids_at(self.own.lo + rows)]
+                first.append((layer, rows[now], local[:k], grads[:k]))
+                rest.append((layer, rows[~now], local[k:], grads[k:]))
+            else:
+                first.append((layer, local[:k], local[:k], grads[:k]))
+                rest.append((layer, local[k:], local[k:], grads[k:]))
+            self._stats["rows_updated"] += first[-1][1].numel() + rest[-1][1].numel()
+            self._stats["rows_updated_later"] += rest[-1][1].numel()
+
+        def update(parts) -> None:
+            for layer, rows, local, grads in parts:
+                self._update(step, lr, layer, rows, local, grads)
+
+        self.updates.now(lambda: update(first))
         self.steps_done = step
         if self.layers:
             if self.mode == "dense":
                 self.current.fill_(False)  # every row changed (the owned ones are never asked for)
             else:
                 self.current[self.exchange.updated_elsewhere(updated)] = False
-        self.cache.choose(step)
-        self.refresh(torch.cat([next_ids, self.cache.ids]))
+        self.refresh(reads)
         self._reload_cache()
+        self.updates.later(lambda: update(rest))
+
+    def _read_next(self, ids: torch.Tensor) -> torch.Tensor:
+        """Over token ids: True where any rank of the DP group reads the row in the next step (every row
+        without ``stem.overlap_update``: one part, the serial order). Collective over the DP group."""
+        if not self.updates.overlapped:
+            return torch.ones(self.vocab_size, dtype=torch.bool)
+        mask = torch.zeros(self.vocab_size, dtype=torch.uint8, device=self.device)
+        mask[ids.to(self.device)] = 1
+        dist.all_reduce(mask, op=dist.ReduceOp.MAX, group=self.dp_group)
+        return mask.cpu().bool()
+
+    def _update(self, step: int, lr: float, layer: int, rows, local, grads) -> None:
+        """AdamW on rows ``rows`` (sorted, of the node's master block) of ``layer``: gradient ``grads`` for
+        ``local`` (sorted, among ``rows``), zero for the others (dense mode)."""
+        if rows.numel() != local.numel():
+            dense = torch.zeros(rows.numel(), self.cols)
+            dense[torch.searchsorted(rows, local)] = grads
+            grads = dense
+        self.adam.update_rows(step, lr, rows, grads, self.master[layer], self.exp_avg[layer], self.exp_avg_sq[layer])
+        if self.read_dtype != torch.float32:  # the node's copy of its own rows, rounded
+            self.weight[layer][self.own.lo + rows] = self.master[layer][rows].to(self.read_dtype)
 
     def refresh(self, ids: torch.Tensor) -> None:
         """Make this node's copy of rows ``ids`` (any DP peer on the node may ask for its own) equal the
         owners' rows. Collective over the world's ranks of this stage's DP group and the node."""
+        self.updates.settle()  # the peers' too before anyone reads: the barrier below
         if self.layers:
             need = self.exchange.node_needs(ids)
             stale = need[~self.current[need] & (self.own.owner(need) != self.own.node)]
@@ -332,15 +327,17 @@ class HostTableStore:
     # ---- metrics ----
     @staticmethod
     def _new_stats() -> dict:
-        return dict(unique_tokens=0, rows_fetched=0, bytes_to_device=0, bytes_from_device=0, rows_updated=0,
-                    rows_pulled=0, cpu_adam_s=0.0, exchange_wait_s=0.0, layers_sent_in_backward=0, cache_hits=0,
-                    cache_lookups=0)
+        return dict(unique_tokens=0, rows_fetched=0, bytes_to_device=0, rows_updated=0, rows_updated_later=0,
+                    rows_pulled=0, cache_hits=0, cache_lookups=0)
 
     def take_stats(self) -> dict:
         """This step's counters (prefixed ``stem_``), reset for the next step: ``stem_bytes_sent`` by this
         rank to its DP peers anywhere; ``stem_node_*`` for this rank's node in total (bytes sent to and
         received from other nodes, table rows Adam updated, each layer counted), a collective over the node."""
         stats, self._stats = self._stats, self._new_stats()
+        for part in (self.grads, self.updates):
+            stats.update(part.stats)
+            part.stats = part.new_stats()
         wire, self.exchange.stats = self.exchange.stats, self.exchange.new_stats()
         node = torch.tensor([wire["inter_node_sent"], wire["inter_node_received"], stats.pop("rows_updated") / self.tp],
                             dtype=torch.float64)
@@ -367,4 +364,5 @@ def build_store(cfg: RunConfig, tconfig: TransformerConfig, device: torch.device
         optimizer=cfg.stem.optimizer, betas=(t.adam_beta1, t.adam_beta2), eps=1e-8,
         weight_decay=t.weight_decay, cache_rows=cfg.stem.cache_rows, device=device, shm_dir=cfg.stem.shm_dir,
         wire_dtype=cfg.stem.wire_dtype, read_dtype=cfg.stem.read_dtype, overlap=cfg.stem.overlap_exchange,
+        overlap_update=cfg.stem.overlap_update, compute_dtype=tconfig.params_dtype,
     )

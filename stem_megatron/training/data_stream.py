@@ -41,8 +41,9 @@ def run_datasets(cfg: RunConfig):
 @contextlib.contextmanager
 def with_rows(batches: Iterator[dict], store, num_micro_batches: int, depth: int = 2) -> Iterator[Iterator[dict]]:
     """``batches`` with their STEM rows prefetched (``RowPrefetcher``) when ``store`` holds host tables,
-    as they are otherwise; the prefetch thread stops on exit. The first step's rows are made current
-    here (a collective: every rank enters together); each training step does it for the next."""
+    as they are otherwise; the prefetch thread stops on exit, and the last step's CPU Adam is waited for.
+    The first step's rows are made current here (a collective: every rank enters together); each training
+    step does it for the next."""
     if store is None:
         yield batches
         return
@@ -53,6 +54,7 @@ def with_rows(batches: Iterator[dict], store, num_micro_batches: int, depth: int
         yield prefetcher
     finally:
         prefetcher.close()
+        store.updates.settle()  # this rank's: no collective on the way out of an error
 
 
 def batch_stream(dataset, cfg: RunConfig, dp: int, store, num_micro_batches: int, start_step: int = 0,

@@ -1,0 +1,169 @@
+"""A training step's STEM rows after the forward: gradients out of the device, CPU Adam in next-use order.
+
+Gradients out (``RowGradients``). As soon as backward fills a micro-batch's compact row gradient (its
+distinct ids x this rank's columns), it is added into one fp32 buffer per layer over the step's distinct
+ids (announced by the prefetcher) and the micro-batch's rows are let go: the device holds the rows of the
+micro-batches in flight and the step's merged gradients, not every micro-batch's rows until the step
+ends. A row's micro-batch gradients are added in micro-batch order, as one ``index_add_`` over all of them
+did. Once a layer's last micro-batch is in, the layer goes to its owners (``RowExchange.to_owners``, which
+averages over DP) and the rows this rank updates land in reusable pinned host buffers on a side stream
+(``transfer.DeviceToHost``): from a backward hook on an exchange thread (``stem.overlap_exchange``) while
+backward goes on through the earlier layers, else after backward. Backward finishes layers in the same
+order on every rank of an exchange group, so the thread issues the groups' collectives in the same order
+everywhere.
+
+Update order (``RowUpdates``). CPU Adam cannot start before the clipping norm, which needs every layer's
+gradients. It then runs in two parts: first the rows any rank of the DP group reads in the next step (its
+announced ids and hot-row cache), on the training thread, after which those rows are pulled across nodes
+and the prefetcher fetches them; then the rest on a background thread (``stem.overlap_update``), while the
+next step's forward and backward run. The next update, and whatever reads the tables whole (checkpoints,
+export, validation), waits for it first. Adam is per row, so the order changes no bit: rows read in step
+s+1 reflect step s exactly as in the serial order.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+
+from stem_megatron.host_tables.exchange import RowExchange
+from stem_megatron.host_tables.transfer import DeviceToHost
+
+Landed = tuple[torch.Tensor, torch.Tensor, Optional[torch.cuda.Event]]  # (ids, gradients, their copy's end)
+
+
+class RowGradients:
+    """Per STEM layer, the step's row gradients: merged on the device, exchanged, landed on the host."""
+
+    def __init__(self, layers: list[int], cols: int, exchange: RowExchange, dp_group, device: torch.device,
+                 overlap: bool):
+        self.layers, self.cols, self.exchange, self.dp_group, self.device = layers, cols, exchange, dp_group, device
+        self.d2h = DeviceToHost(device)
+        self.stats = self.new_stats()
+        self._sender = ThreadPoolExecutor(1, "stem-exchange", self._sender_device) if overlap else None
+        self._ids: Optional[torch.Tensor] = None  # the step's sorted distinct ids (host); None: no step begun
+        self._micro_batches = 0
+        self._merged: dict[int, torch.Tensor] = {}  # layer -> [len(ids), cols] fp32 on the device
+        self._filled = dict.fromkeys(layers, 0)
+        self._sent: dict[int, Future] = {}
+        self._parity = 0  # host buffers alternate by step: CPU Adam may still read the last step's
+
+    @staticmethod
+    def new_stats() -> dict:
+        return dict(bytes_from_device=0, layers_sent_in_backward=0, exchange_wait_s=0.0)
+
+    def begin(self, ids: torch.Tensor, micro_batches: int) -> None:
+        self._ids, self._micro_batches = ids, micro_batches
+        self._filled = dict.fromkeys(self.layers, 0)
+        self._parity ^= 1
+
+    def track(self, layer: int, in_step: Optional[torch.Tensor], rows: torch.Tensor) -> None:
+        """(forward) Merge ``rows.grad`` into the step's buffer of ``layer`` when backward fills it;
+        ``in_step``: positions of the rows' ids among the step's ids, on the device."""
+        if self._ids is None or in_step is None:
+            raise RuntimeError("STEM rows were registered outside a step: call store.begin_step(micro_batches, "
+                               "step_ids) first and fetch with the step's ids (RowPrefetcher does both)")
+        rows.register_post_accumulate_grad_hook(functools.partial(self._merge, layer, in_step))
+
+    def _merge(self, layer: int, in_step: torch.Tensor, rows: torch.Tensor) -> None:
+        """Backward hook: add a micro-batch's gradient, free its rows; after the step's last, send the layer."""
+        merged = self._merged.get(layer)
+        if merged is None:
+            merged = self._merged[layer] = torch.zeros(self._ids.numel(), self.cols, device=self.device)
+        merged.index_add_(0, in_step, rows.grad)
+        rows.grad = None
+        self._filled[layer] += 1
+        if self._sender is not None and self._filled[layer] == self._micro_batches:
+            ready = torch.cuda.Event() if self.device.type == "cuda" else None
+            if ready is not None:
+                ready.record()  # the gradients are written on backward's stream; the sender waits for them
+            self._sent[layer] = self._sender.submit(self._send, layer, ready)
+
+    def _sender_device(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)  # the current device is per thread
+
+    def _send(self, layer: int, ready=None) -> tuple[Landed, torch.Tensor]:
+        """Send layer ``layer``'s merged gradients to their owners; returns (the ids this rank updates and
+        their DP-averaged gradients, landing on the host; the squared norm of those rows, on the device)."""
+        if ready is not None:
+            torch.cuda.current_stream(self.device).wait_event(ready)
+        merged = self._merged.pop(layer, None)
+        ids = self._ids if merged is not None else self._ids[:0]
+        if merged is None:  # no micro-batch of this rank reached the layer: still part of the exchange
+            merged = torch.zeros(0, self.cols, device=self.device)
+        owned, summed = self.exchange.to_owners(ids.to(self.device), merged)
+        summed /= dist.get_world_size(self.dp_group)
+        self.stats["bytes_from_device"] += summed.numel() * 4
+        key = (layer, self._parity)
+        host_ids, _ = self.d2h.copy(owned, key + ("ids",))
+        host_grads, landed = self.d2h.copy(summed, key + ("grads",))  # after the ids, on the same stream
+        return (host_ids, host_grads, landed), summed.pow(2).sum()
+
+    def reduce(self) -> tuple[dict[int, Landed], torch.Tensor]:
+        """Every layer's gradients at their owners, those sent during backward first; returns them and the
+        squared norm of the STEM gradients summed over DP, TP and PP (each row counted once)."""
+        start = time.perf_counter()
+        sent = {layer: future.result() for layer, future in self._sent.items()}  # the thread is idle after
+        self.stats["layers_sent_in_backward"] += len(sent)
+        self._sent.clear()
+        out, sq = {}, torch.zeros((), dtype=torch.float32, device=self.device)
+        for layer in self.layers:
+            out[layer], layer_sq = sent[layer] if layer in sent else self._send(layer)
+            sq += layer_sq
+        self._ids = None
+        self.stats["exchange_wait_s"] += time.perf_counter() - start
+        dist.all_reduce(sq, group=self.dp_group)
+        dist.all_reduce(sq, group=parallel_state.get_model_parallel_group())
+        return out, sq
+
+
+class RowUpdates:
+    """Runs a step's CPU Adam in two parts: ``now`` on the calling thread, ``later`` on a background thread
+    (with ``overlapped``; else at once) that ``settle`` waits for. The thread runs the kernel with this
+    rank's OpenMP threads (the launcher's cores / ranks of the node)."""
+
+    def __init__(self, overlap: bool):
+        self.overlapped = overlap
+        threads = torch.get_num_threads()
+        self._thread = ThreadPoolExecutor(1, "stem-adam", torch.set_num_threads, (threads,)) if overlap else None
+        self._pending: Optional[Future] = None
+        self.stats = self.new_stats()
+
+    @staticmethod
+    def new_stats() -> dict:
+        """CPU Adam seconds on the training thread, seconds of the last step's later part that ran beside
+        this step, and seconds this step waited for it."""
+        return dict(cpu_adam_s=0.0, cpu_adam_overlapped_s=0.0, adam_wait_s=0.0)
+
+    def now(self, work: Callable[[], None]) -> None:
+        self.settle()
+        self.stats["cpu_adam_s"] += _timed(work)
+
+    def later(self, work: Callable[[], None]) -> None:
+        if self._thread is None:
+            self.now(work)
+        else:
+            self.settle()
+            self._pending = self._thread.submit(_timed, work)
+
+    def settle(self) -> None:
+        """Wait for the background part (re-raising its error here)."""
+        if self._pending is None:
+            return
+        start = time.perf_counter()
+        pending, self._pending = self._pending, None
+        self.stats["cpu_adam_overlapped_s"] += pending.result()
+        self.stats["adam_wait_s"] += time.perf_counter() - start
+
+
+def _timed(work: Callable[[], None]) -> float:
+    start = time.perf_counter()
+    work()
+    return time.perf_counter() - start
