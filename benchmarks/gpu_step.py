@@ -21,8 +21,9 @@ of vocabulary V (id 0 is EOD); the documents are written as an indexed dataset b
 Per variant one table row: median step time over the steps after `--warmup` (the profiled last step left out),
 tokens/s, MFU (`flops/mfu.py`; none on CPU), peak memory (GPU: torch.cuda.max_memory_allocated of rank 0; CPU: rank
 0's peak RSS), the memory plan's bytes per GPU or rank (`flops/memory.py`), the step time over dense's in the same
-invocation, and the STEM parts per step from metrics.jsonl (prefetch wait, CPU Adam, exchange wait, bytes to and
-from the device). Then the top ops of the last step of each run, profiled by `logging.profile_step` (by self CUDA
+invocation, and the STEM parts per step from metrics.jsonl (prefetch wait, CPU Adam on the step's path, the wait
+for the last step's CPU Adam that ran beside it, exchange wait, bytes to and from the device, the counted peak of
+row leaves and merged row gradients on the device). Then the top ops of the last step of each run, profiled by `logging.profile_step` (by self CUDA
 time on a GPU and by self CPU time). No checkpoint is written (`checkpoint.save=false`).
 
 Run: ``.venv/bin/python benchmarks/gpu_step.py [--shapes tiny|paper] [--variants dense,stem_1_3_host_lazy]
@@ -94,8 +95,8 @@ SHAPES = {
                      Model("1B", ("+experiment=pretrain_1b", "model.seq_length=2048"), 2)),
                     global_batch=16, steps=8, warmup=3),
 }
-STEM_PARTS = ("stem_prefetch_wait_s", "stem_cpu_adam_s", "stem_exchange_wait_s", "stem_bytes_to_device",
-              "stem_bytes_from_device")
+STEM_PARTS = ("stem_prefetch_wait_s", "stem_cpu_adam_s", "stem_adam_wait_s", "stem_exchange_wait_s",
+              "stem_bytes_to_device", "stem_bytes_from_device", "stem_device_row_bytes_peak")
 
 
 @dataclass
@@ -310,7 +311,8 @@ def _gib(x: Optional[float]) -> str:
 
 COLUMNS = (("variant", 26, "<"), ("step ms", 9, ">"), ("tokens/s", 10, ">"), ("MFU", 6, ">"), ("peak GiB", 9, ">"),
            ("plan GiB", 9, ">"), ("x dense", 8, ">"), ("prefetch ms", 12, ">"), ("CPU Adam ms", 12, ">"),
-           ("exch. ms", 9, ">"), ("to dev MB", 10, ">"), ("from dev MB", 12, ">"))
+           ("Adam wait ms", 13, ">"), ("exch. ms", 9, ">"), ("to dev MB", 10, ">"), ("from dev MB", 12, ">"),
+           ("rows MB", 10, ">"))
 
 
 def row(r: Result) -> str:
@@ -322,8 +324,9 @@ def row(r: Result) -> str:
     cells = [r.label, _ms(r.step_time_s), f"{r.tokens_per_s:,.0f}", "-" if r.mfu is None else f"{r.mfu:.1%}",
              _gib(r.peak_memory_bytes), _gib(r.plan_device_bytes),
              "-" if r.ratio_to_dense is None else f"{r.ratio_to_dense:.2f}",
-             _ms(s.get("stem_prefetch_wait_s")), _ms(s.get("stem_cpu_adam_s")), _ms(s.get("stem_exchange_wait_s")),
-             _mb(s.get("stem_bytes_to_device")), _mb(s.get("stem_bytes_from_device"))]
+             _ms(s.get("stem_prefetch_wait_s")), _ms(s.get("stem_cpu_adam_s")), _ms(s.get("stem_adam_wait_s")),
+             _ms(s.get("stem_exchange_wait_s")), _mb(s.get("stem_bytes_to_device")), _mb(s.get("stem_bytes_from_device")),
+             _mb(s.get("stem_device_row_bytes_peak"))]
     return "  ".join(f"{c:{a}{w}}" for c, (_, w, a) in zip(cells, COLUMNS))
 
 

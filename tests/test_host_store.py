@@ -174,6 +174,51 @@ def _memory_per_node():
     return measured
 
 
+def _rows_held():
+    """Two steps of two micro-batches; each registered row leaf watched through a weak reference."""
+    import weakref
+
+    from stem_megatron.training.data_stream import with_rows
+    from stem_megatron.training.setup import setup_model
+    from stem_megatron.training.step import train_step
+
+    trainer = setup_model(_cfg(1, 1, "host", optimizer="lazy", steps=2))
+    store, watched, alive_at_register = trainer.store, [], []
+    register = store.register
+
+    def watching(layer, prefetched, rows):
+        alive_at_register.append(sum(ref() is not None for ref in watched))
+        watched.append(weakref.ref(rows))
+        register(layer, prefetched, rows)
+
+    store.register = watching
+    n_micro = GLOBAL // MICRO
+    tokens = [b["tokens"] for b in _data(0, 1, steps=2)]
+    peaks = []
+    with with_rows(_data(0, 1, steps=2), store, n_micro) as data:
+        for _ in range(2):
+            train_step(trainer, data, n_micro, MICRO, MODEL.seq_length, MODEL.vocab_size)
+            peaks.append(store.take_stats()["stem_device_row_bytes_peak"])
+    layers, row = len(store.layers), store.cols * 4
+    steps = [tokens[:n_micro], tokens[n_micro:]]
+    step_ids = [torch.unique(torch.cat([t.flatten() for t in step])).numel() for step in steps]
+    mb_ids = [max(torch.unique(t).numel() for t in step) for step in steps]
+    return alive_at_register, peaks, layers, row, step_ids, mb_ids, n_micro
+
+
+@pytest.mark.slow
+def test_the_device_holds_one_micro_batch_of_rows_and_the_step_gradients():
+    """Issue 26: a micro-batch's rows go once its backward has merged their gradients into the step's
+    buffers: when a layer registers its rows, no earlier micro-batch's rows are alive (before, every
+    micro-batch's stayed until the step's end). The counted peak is the step's merged buffers, one
+    micro-batch's rows and one gradient being merged, which the memory plan's bound covers."""
+    alive, peaks, layers, row, step_ids, mb_ids, n_micro = distributed.run(_rows_held, 1)[0]
+    assert n_micro == 2 and len(alive) == 2 * n_micro * layers
+    assert max(alive) == layers - 1, alive  # the same micro-batch's other layers only
+    for peak, s, u in zip(peaks, step_ids, mb_ids):
+        assert layers * s * row <= peak <= (layers * s + layers * u + u) * row, (peak, s, u)
+
+
 @pytest.mark.slow
 def test_tables_are_allocated_once_per_node():
     results = distributed.run(_memory_per_node, 2)

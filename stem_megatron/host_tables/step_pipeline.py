@@ -24,6 +24,7 @@ s+1 reflect step s exactly as in the serial order.
 from __future__ import annotations
 
 import functools
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Optional
@@ -53,10 +54,19 @@ class RowGradients:
         self._filled = dict.fromkeys(layers, 0)
         self._sent: dict[int, Future] = {}
         self._parity = 0  # host buffers alternate by step: CPU Adam may still read the last step's
+        self._held, self._lock = 0, threading.Lock()  # device bytes of registered rows and merged gradients
 
     @staticmethod
     def new_stats() -> dict:
-        return dict(bytes_from_device=0, layers_sent_in_backward=0, exchange_wait_s=0.0)
+        """``device_row_bytes_peak``: the most device bytes the step held in row leaves registered by the
+        forward and not yet merged, their gradient being merged and the merged buffers (the memory plan's
+        ``step_rows`` less the prefetcher's queue)."""
+        return dict(bytes_from_device=0, layers_sent_in_backward=0, exchange_wait_s=0.0, device_row_bytes_peak=0)
+
+    def _hold(self, nbytes: int, transient: int = 0) -> None:
+        with self._lock:
+            self._held += nbytes
+            self.stats["device_row_bytes_peak"] = max(self.stats["device_row_bytes_peak"], self._held + transient)
 
     def begin(self, ids: torch.Tensor, micro_batches: int) -> None:
         self._ids, self._micro_batches = ids, micro_batches
@@ -70,14 +80,18 @@ class RowGradients:
             raise RuntimeError("STEM rows were registered outside a step: call store.begin_step(micro_batches, "
                                "step_ids) first and fetch with the step's ids (RowPrefetcher does both)")
         rows.register_post_accumulate_grad_hook(functools.partial(self._merge, layer, in_step))
+        self._hold(rows.numel() * rows.element_size())
 
     def _merge(self, layer: int, in_step: torch.Tensor, rows: torch.Tensor) -> None:
         """Backward hook: add a micro-batch's gradient, free its rows; after the step's last, send the layer."""
         merged = self._merged.get(layer)
         if merged is None:
             merged = self._merged[layer] = torch.zeros(self._ids.numel(), self.cols, device=self.device)
+            self._hold(merged.numel() * 4)
+        self._hold(0, transient=rows.grad.numel() * 4)
         merged.index_add_(0, in_step, rows.grad)
         rows.grad = None
+        self._hold(-rows.numel() * rows.element_size())  # autograd lets the leaf go with the micro-batch
         self._filled[layer] += 1
         if self._sender is not None and self._filled[layer] == self._micro_batches:
             ready = torch.cuda.Event() if self.device.type == "cuda" else None
@@ -98,6 +112,7 @@ class RowGradients:
         ids = self._ids if merged is not None else self._ids[:0]
         if merged is None:  # no micro-batch of this rank reached the layer: still part of the exchange
             merged = torch.zeros(0, self.cols, device=self.device)
+        self._hold(-merged.numel() * 4)
         owned, summed = self.exchange.to_owners(ids.to(self.device), merged)
         summed /= dist.get_world_size(self.dp_group)
         self.stats["bytes_from_device"] += summed.numel() * 4
@@ -125,29 +140,28 @@ class RowGradients:
 
 
 class RowUpdates:
-    """Runs a step's CPU Adam in two parts: ``now`` on the calling thread, ``later`` on a background thread
-    (with ``overlapped``; else at once) that ``settle`` waits for. The thread runs the kernel with this
-    rank's OpenMP threads (the launcher's cores / ranks of the node)."""
+    """Runs a step's CPU Adam in two parts on one "stem-adam" thread: ``now`` waits for its part, ``later``
+    (with ``overlapped``; else it waits too) returns at once and ``settle`` waits for it. The thread runs
+    the kernel with ``threads`` OpenMP threads of its own, whatever the training thread's count."""
 
-    def __init__(self, overlap: bool):
+    def __init__(self, overlap: bool, threads: int):
         self.overlapped = overlap
-        threads = torch.get_num_threads()
-        self._thread = ThreadPoolExecutor(1, "stem-adam", torch.set_num_threads, (threads,)) if overlap else None
+        self._thread = ThreadPoolExecutor(1, "stem-adam", torch.set_num_threads, (threads,))
         self._pending: Optional[Future] = None
         self.stats = self.new_stats()
 
     @staticmethod
     def new_stats() -> dict:
-        """CPU Adam seconds on the training thread, seconds of the last step's later part that ran beside
-        this step, and seconds this step waited for it."""
+        """CPU Adam seconds the training thread waited for, seconds of the last step's later part that ran
+        beside this step, and seconds this step waited for it."""
         return dict(cpu_adam_s=0.0, cpu_adam_overlapped_s=0.0, adam_wait_s=0.0)
 
     def now(self, work: Callable[[], None]) -> None:
         self.settle()
-        self.stats["cpu_adam_s"] += _timed(work)
+        self.stats["cpu_adam_s"] += self._thread.submit(_timed, work).result()
 
     def later(self, work: Callable[[], None]) -> None:
-        if self._thread is None:
+        if not self.overlapped:
             self.now(work)
         else:
             self.settle()

@@ -23,6 +23,7 @@ A step, as driven by the training loop and the prefetcher:
 
 from __future__ import annotations
 
+import os
 import secrets
 from typing import Optional
 
@@ -116,7 +117,7 @@ class HostTableStore:
         self.h2d = HostToDevice(self.device, dtype=compute_dtype)
         self.steps_done = 0
         self.grads = RowGradients(self.layers, self.cols, self.exchange, self.dp_group, self.device, overlap)
-        self.updates = RowUpdates(overlap_update)
+        self.updates = RowUpdates(overlap_update, adam_threads(self.device))
         self._grads: dict = {}  # layer -> (ids, gradients, copy event) of the step, on the host
         self._stats = self._new_stats()
 
@@ -350,6 +351,15 @@ class HostTableStore:
         out["stem_cache_hit_rate"] = hits / lookups if lookups else None
         out["stem_host_table_bytes"] = self.host_bytes
         return out
+
+
+def adam_threads(device: torch.device) -> int:
+    """OpenMP threads of this rank's CPU Adam: on GPU the node's cores shared by its ranks (ranks x threads =
+    cores; the training thread mostly waits on the device), on CPU the training thread's count (the
+    launcher's cores / ranks, as compute needs them too)."""
+    if device.type != "cuda":
+        return torch.get_num_threads()
+    return max(1, len(os.sched_getaffinity(0)) // int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
 
 
 def build_store(cfg: RunConfig, tconfig: TransformerConfig, device: torch.device) -> HostTableStore:
