@@ -246,7 +246,7 @@ class HostTableStore:
         """CPU Adam on the rows this rank owns, then ``refresh`` for ``next_ids`` (the ids this rank reads
         in the next step) and the hot-row cache. Rows any rank of the DP group reads next are updated before
         the refresh; the others after it, beside the next step (``stem.overlap_update``)."""
-        self.settle()
+        self.updates.settle()  # this rank's rows and moments: no other rank writes them
         step = self.steps_done + 1
         self.cache.choose(step)
         reads = torch.cat([next_ids, self.cache.ids])
