@@ -246,6 +246,19 @@ def emulated_model(p: np.ndarray, nodes: int, e: Emulation) -> tuple[float, floa
     return float(grads + stale_ids + pull), e.layers * float(touched.sum()) / nodes
 
 
+def backward_one_step(store, tokens: torch.Tensor, grad: float = 1e-3) -> None:
+    """A step of ``tokens`` (one micro-batch) through the store as training drives it, up to CPU Adam: rows
+    fetched and registered, a constant gradient on each, merged and sent to their owners."""
+    ids = torch.unique(tokens)
+    store.begin_step(1, ids)
+    fetched = store.fetch(tokens, ids)
+    for layer, rows in fetched.fetched.rows.items():
+        rows = rows.clone().requires_grad_()
+        store.register(layer, fetched, rows)
+        rows.backward(torch.full_like(rows, grad))
+    store.reduce_gradients()
+
+
 def _emulated_node(rank: int, nodes: int, port: int, p: np.ndarray, e: Emulation, out_dir: str) -> None:
     """One emulated node: the store's fetch, gradient exchange, CPU Adam and refresh, as training drives them."""
     os.environ.update(RANK=str(rank), LOCAL_RANK="0", WORLD_SIZE=str(nodes), MASTER_ADDR="127.0.0.1",
@@ -264,14 +277,7 @@ def _emulated_node(rank: int, nodes: int, port: int, p: np.ndarray, e: Emulation
         store.refresh(torch.unique(draw(1)))
         records = []
         for step in range(1, e.steps + 1):
-            tokens = draw(step)
-            store.begin_step(1, torch.unique(tokens))
-            fetched = store.fetch(tokens, torch.unique(tokens))
-            for layer, rows in fetched.fetched.rows.items():
-                rows = rows.clone().requires_grad_()
-                store.register(layer, fetched, rows)
-                rows.backward(torch.full_like(rows, 1e-3))
-            store.reduce_gradients()
+            backward_one_step(store, draw(step))
             store.step(1e-3, torch.unique(draw(step + 1)))
             stats = store.take_stats()
             records.append((stats["stem_node_bytes_sent"], stats["stem_node_rows_updated"]))

@@ -33,7 +33,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from torch.distributed.elastic.utils.distributed import get_free_port  # noqa: E402
 
-from benchmarks.row_sync import DEFAULT_COUNTS, load_counts  # noqa: E402
+from benchmarks.row_sync import DEFAULT_COUNTS, backward_one_step, load_counts  # noqa: E402
 
 
 def _run(rank: int, port: int, p: np.ndarray, args, optimizer: str, overlap: bool, out: str) -> None:
@@ -52,14 +52,7 @@ def _run(rank: int, port: int, p: np.ndarray, args, optimizer: str, overlap: boo
         store.refresh(torch.unique(draw(1)))
         records = []
         for step in range(1, args.steps + 1):
-            tokens = draw(step)
-            store.begin_step(1, torch.unique(tokens))
-            fetched = store.fetch(tokens, torch.unique(tokens))
-            for layer, rows in fetched.fetched.rows.items():
-                rows = rows.clone().requires_grad_()
-                store.register(layer, fetched, rows)
-                rows.backward(torch.full_like(rows, 1e-3))
-            store.reduce_gradients()
+            backward_one_step(store, draw(step))
             start = time.perf_counter()
             store.step(1e-3, torch.unique(draw(step + 1)))
             held = time.perf_counter() - start
