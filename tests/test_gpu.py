@@ -62,3 +62,31 @@ print("intact")
 """
     proc = _run(["-c", script], gpu_env(), timeout=600)
     assert proc.returncode == 0 and "intact" in proc.stdout, proc.stdout + proc.stderr
+
+
+def test_row_gradients_land_on_the_host_intact(gpu_env):
+    """Row gradients copied into the pinned landing buffers on the side stream equal the device tensors they
+    came from once their event has fired, with the device tensors freed and overwritten right after the copy
+    is issued (the copy must hold them) and each key's buffer reused every other step, as CPU Adam reads the
+    last step's while this one's land."""
+    script = """
+import torch
+from stem_megatron.host_tables.transfer import DeviceToHost, landed
+d2h = DeviceToHost(torch.device("cuda", 0))
+kept = {}
+for step in range(8):
+    grads = torch.randn(3000 - step, 256, device="cuda")  # no larger than the first: the buffer is reused
+    expected = grads.cpu()
+    host, event = d2h.copy(grads, (1, step % 2))
+    del grads
+    torch.randn(4096, 256, device="cuda").mul_(2)  # the freed memory is taken again on the compute stream
+    landed(event)
+    assert torch.equal(host, expected), step
+    if step % 2 in kept:
+        assert host.data_ptr() == kept[step % 2]  # the key's buffer, reused
+    kept[step % 2] = host.data_ptr()
+    assert host.is_pinned()
+print("landed")
+"""
+    proc = _run(["-c", script], gpu_env(), timeout=600)
+    assert proc.returncode == 0 and "landed" in proc.stdout, proc.stdout + proc.stderr
