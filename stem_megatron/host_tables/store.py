@@ -191,10 +191,12 @@ class HostTableStore:
         self._reload_cache()
 
     def settle(self) -> None:
-        """Wait for the last step's CPU Adam (``step_pipeline.RowUpdates``) on every peer of the node (their
-        rows share its copy): call before reading tables or moments whole. Collective over the node."""
+        """Wait for the last step's CPU Adam (``step_pipeline.RowUpdates``) here and on this rank's DP peers on
+        the node (their rows share its copy of this TP block): call before reading tables or moments whole.
+        Collective over those peers (``node.local``), not the node: other TP ranks and stages need not call it."""
         self.updates.settle()
-        dist.barrier(self.node.group)
+        if self.node.local is not None:
+            dist.barrier(self.node.local)
 
     @property
     def host_bytes(self) -> int:
