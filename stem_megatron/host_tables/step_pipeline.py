@@ -13,10 +13,10 @@ order on every rank of an exchange group, so the thread issues the groups' colle
 everywhere.
 
 Update order (``RowUpdates``). CPU Adam cannot start before the clipping norm, which needs every layer's
-gradients. It then runs in two parts: first the rows any rank of the DP group reads in the next step (its
-announced ids and hot-row cache), on the training thread, after which those rows are pulled across nodes
-and the prefetcher fetches them; then the rest on a background thread (``stem.overlap_update``), while the
-next step's forward and backward run. The next update, and whatever reads the tables whole (checkpoints,
+gradients. It then runs in two parts, both on a thread of its own with the node's cores: first the rows
+any rank of the DP group reads in the next step (its announced ids and hot-row cache), which the training
+thread waits for, after which those rows are pulled across nodes and the prefetcher fetches them; then the
+rest (``stem.overlap_update``), while the next step's forward and backward run. The next update, and whatever reads the tables whole (checkpoints,
 export, validation), waits for it first. Adam is per row, so the order changes no bit: rows read in step
 s+1 reflect step s exactly as in the serial order.
 """
