@@ -85,6 +85,19 @@ class RowExchange:
         self.stats["exchange_s"] += time.perf_counter() - start
         return others[others >= 0].cpu()
 
+    # ---- which rows the next step reads ----
+    def read_anywhere(self, ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+        """Over token ids: True where any rank of the DP group reads the row (``ids``: what I read). A V-byte
+        max over my node's peers, then over my rail; counted as ring all-reduces."""
+        mask = torch.zeros(vocab_size, dtype=torch.uint8, device=self.device)
+        mask[ids.to(self.device)] = 1
+        for group in (self.local, self.rail):
+            if group is not None:
+                dist.all_reduce(mask, op=dist.ReduceOp.MAX, group=group)
+                n = dist.get_world_size(group)
+                self._count(group, 2 * (n - 1) * vocab_size // n, 2 * (n - 1) * vocab_size // n)
+        return mask.cpu().bool()
+
     # ---- fresh rows for the node's copy ----
     def node_needs(self, ids: torch.Tensor) -> torch.Tensor:
         """Sorted ids of my class that any DP peer of my node asks for (``ids``: what I ask for)."""

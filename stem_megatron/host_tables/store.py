@@ -293,14 +293,13 @@ class HostTableStore:
         without ``stem.overlap_update``: one part, the serial order). Collective over the DP group."""
         if not self.updates.overlapped:
             return torch.ones(self.vocab_size, dtype=torch.bool)
-        mask = torch.zeros(self.vocab_size, dtype=torch.uint8, device=self.device)
-        mask[ids.to(self.device)] = 1
-        dist.all_reduce(mask, op=dist.ReduceOp.MAX, group=self.dp_group)
-        return mask.cpu().bool()
+        return self.exchange.read_anywhere(ids, self.vocab_size)
 
     def _update(self, step: int, lr: float, layer: int, rows, local, grads) -> None:
         """AdamW on rows ``rows`` (sorted, of the node's master block) of ``layer``: gradient ``grads`` for
         ``local`` (sorted, among ``rows``), zero for the others (dense mode)."""
+        if rows.numel() == 0:
+            return
         if rows.numel() != local.numel():
             dense = torch.zeros(rows.numel(), self.cols)
             dense[torch.searchsorted(rows, local)] = grads
