@@ -49,6 +49,7 @@ class RowGradients:
         self.stats = self.new_stats()
         self._sender = ThreadPoolExecutor(1, "stem-exchange", self._sender_device) if overlap else None
         self._ids: Optional[torch.Tensor] = None  # the step's sorted distinct ids (host); None: no step begun
+        self._ids_on_device: Optional[torch.Tensor] = None  # the same, copied once a step for the exchange
         self._micro_batches = 0
         self._merged: dict[int, torch.Tensor] = {}  # layer -> [len(ids), cols] fp32 on the device
         self._filled = dict.fromkeys(layers, 0)
@@ -70,6 +71,7 @@ class RowGradients:
 
     def begin(self, ids: torch.Tensor, micro_batches: int) -> None:
         self._ids, self._micro_batches = ids, micro_batches
+        self._ids_on_device = ids.to(self.device, non_blocking=True)
         self._filled = dict.fromkeys(self.layers, 0)
         self._parity ^= 1
 
@@ -109,11 +111,11 @@ class RowGradients:
         if ready is not None:
             torch.cuda.current_stream(self.device).wait_event(ready)
         merged = self._merged.pop(layer, None)
-        ids = self._ids if merged is not None else self._ids[:0]
+        ids = self._ids_on_device if merged is not None else self._ids_on_device[:0]
         if merged is None:  # no micro-batch of this rank reached the layer: still part of the exchange
             merged = torch.zeros(0, self.cols, device=self.device)
         self._hold(-merged.numel() * 4)
-        owned, summed = self.exchange.to_owners(ids.to(self.device), merged)
+        owned, summed = self.exchange.to_owners(ids, merged)
         summed /= dist.get_world_size(self.dp_group)
         self.stats["bytes_from_device"] += summed.numel() * 4
         key = (layer, self._parity)
@@ -132,7 +134,7 @@ class RowGradients:
         for layer in self.layers:
             out[layer], layer_sq = sent[layer] if layer in sent else self._send(layer)
             sq += layer_sq
-        self._ids = None
+        self._ids = self._ids_on_device = None
         self.stats["exchange_wait_s"] += time.perf_counter() - start
         dist.all_reduce(sq, group=self.dp_group)
         dist.all_reduce(sq, group=parallel_state.get_model_parallel_group())

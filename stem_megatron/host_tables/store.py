@@ -113,8 +113,8 @@ class HostTableStore:
         self.current = torch.ones(vocab_size, dtype=torch.bool)
         self.adam = RowAdam(betas, eps, weight_decay)
         self.cache = HotRowCache(cache_rows, vocab_size, self.device)
-        self.compute_dtype = compute_dtype
         self.h2d = HostToDevice(self.device, dtype=compute_dtype)
+        self._row_bytes = self.cols * travel_dtype(self.read_dtype, compute_dtype).itemsize  # as rows travel
         self.steps_done = 0
         self.grads = RowGradients(self.layers, self.cols, self.exchange, self.dp_group, self.device, overlap)
         self.updates = RowUpdates(overlap_update, adam_threads(self.device))
@@ -211,7 +211,7 @@ class HostTableStore:
         prefetched, hit = fetch_rows(tokens, self.vocab_size, self.weight, self.cache, self.h2d,
                                      at=self.own.position, step_ids=step_ids)
         uniq, misses = prefetched.uniq.numel(), int((~hit).sum())
-        row_bytes = self.cols * travel_dtype(self.read_dtype, self.compute_dtype).itemsize
+        row_bytes = self._row_bytes
         prefetched.fetched.stats.update(
             unique_tokens=uniq, rows_fetched=misses * len(self.layers),
             bytes_to_device=misses * row_bytes * len(self.layers),
@@ -254,6 +254,9 @@ class HostTableStore:
         reads = torch.cat([next_ids, self.cache.ids])
         read_next = self._read_next(reads)
         first, rest, updated = [], [], torch.empty(0, dtype=torch.int64)
+        if self.mode == "dense":  # every row this rank owns, the same for every layer
+            rows = self.own.my_local()
+            now = read_next[self.own.ids_at(self.own.lo + rows)]
         for layer in self.layers:
             ids, grads, event = self._grads.pop(layer, (torch.empty(0, dtype=torch.int64),
                                                         torch.empty(0, self.cols), None))
@@ -262,9 +265,7 @@ class HostTableStore:
             local, read = self.own.local(ids), read_next[ids]
             order = torch.argsort(local + (~read) * self.vocab_size)  # rows read next first, each part by row
             local, grads, k = local[order], grads[order], int(read.sum())
-            if self.mode == "dense":  # every row this rank owns, zero gradients for untouched ones
-                rows = self.own.my_local()
-                now = read_next[self.own.ids_at(self.own.lo + rows)]
+            if self.mode == "dense":  # zero gradients for the untouched ones
                 first.append((layer, rows[now], local[:k], grads[:k]))
                 rest.append((layer, rows[~now], local[k:], grads[k:]))
             else:
