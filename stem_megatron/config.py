@@ -149,6 +149,12 @@ class LoggingConfig:
     # wrap this step in torch.profiler; rank 0 writes <out_dir>/profile_step<N>.txt (the top ops by self device and
     # CPU time) and profile_step<N>.json (ops, peak memory so far); None: no profiling (docs/gpu.md)
     profile_step: Optional[int] = None
+    # this step's collectives on every rank (thread, group, op, order); rank 0 writes
+    # <out_dir>/collective_audit_step<N>.json and says whether the ranks' orders agree (training/collective_audit.py)
+    collective_audit: Optional[int] = None
+    # this step's synchronising CUDA calls on every rank (torch's sync debug mode: thread, call site, count); each
+    # rank writes <out_dir>/sync_audit_step<N>_rank<r>.txt (training/sync_audit.py; GPU runs)
+    sync_audit: Optional[int] = None
 
 
 @dataclass
@@ -222,6 +228,8 @@ def validate(cfg: RunConfig, world_size: int) -> int:
                "parallel.tensor_model_parallel_size",
                "Hash-MoE with TP>1 needs sequence parallelism, which megatron-core's layers support only with "
                "Transformer Engine's norms (a GPU with TE); elsewhere use expert parallelism with TP=1")
+    _check(cfg.logging.sync_audit is None or torch.cuda.is_available(), "logging.sync_audit",
+           "it counts the step's synchronising CUDA calls, and this run has no GPU: set it on a GPU run, or null")
     _validate_data(cfg.data)
     for name, path in (("checkpoint.load", c.load), ("checkpoint.init_from", c.init_from)):
         _check(path is None or Path(path).exists(), name, f"{path} does not exist")
@@ -322,8 +330,10 @@ def validate_layout(cfg: RunConfig, world_size: int) -> int:
     _check(lg.wandb_mode in ("offline", "online", "disabled"), "logging.wandb_mode",
            f"{lg.wandb_mode!r} is not 'offline', 'online' or 'disabled'")
     _check(lg.spike_k > 0, "logging.spike_k", "must be > 0")
-    _check(lg.profile_step is None or 1 <= lg.profile_step <= t.steps, "logging.profile_step",
-           f"{lg.profile_step} is not a step of this run: give one in 1..train.steps={t.steps}, or null")
+    for name in ("profile_step", "collective_audit", "sync_audit"):
+        step = getattr(lg, name)
+        _check(step is None or 1 <= step <= t.steps, f"logging.{name}",
+               f"{step} is not a step of this run: give one in 1..train.steps={t.steps}, or null")
     lowest = 5 if lg.spike_detrend else 2
     _check(lowest <= lg.spike_warmup <= lg.spike_window, "logging.spike_warmup",
            f"{lg.spike_warmup} is not in [{lowest}, logging.spike_window={lg.spike_window}]")

@@ -13,7 +13,7 @@ import pytest
 import torch
 from conftest import VOCAB
 
-from stem_megatron.config import ConfigError, RunConfig, validate_layout
+from stem_megatron.config import ConfigError, RunConfig, validate, validate_layout
 from stem_megatron.training.device_memory import out_of_memory_in
 
 REPO = Path(__file__).resolve().parents[1]
@@ -111,6 +111,8 @@ def test_an_out_of_memory_error_is_found_behind_the_error_raised_from_it():
 @pytest.mark.parametrize("change, field", [
     (lambda c: setattr(c.logging, "profile_step", 0), "logging.profile_step"),
     (lambda c: setattr(c.logging, "profile_step", 51), "logging.profile_step"),
+    (lambda c: setattr(c.logging, "collective_audit", 0), "logging.collective_audit"),
+    (lambda c: setattr(c.logging, "sync_audit", 51), "logging.sync_audit"),
     (lambda c: (setattr(c.checkpoint, "save", False), setattr(c.checkpoint, "save_interval", 10)),
      "checkpoint.save_interval"),
     (lambda c: (setattr(c.checkpoint, "save", False), setattr(c.train, "exit_after_steps", 5)),
@@ -118,8 +120,16 @@ def test_an_out_of_memory_error_is_found_behind_the_error_raised_from_it():
 ])
 def test_profile_step_and_save_are_validated(change, field):
     cfg = RunConfig()
-    cfg.logging.profile_step, cfg.checkpoint.save = 50, False
+    cfg.logging.profile_step, cfg.logging.collective_audit, cfg.checkpoint.save = 50, 1, False
     validate_layout(cfg, 1)  # the last step may be profiled; no checkpoint at all is fine
     change(cfg)
     with pytest.raises(ConfigError, match=re.escape(field)):
         validate_layout(cfg, 1)
+
+
+def test_a_sync_audit_needs_a_gpu():
+    """The sync audit counts CUDA synchronisations: a CPU run that asks for one is told so before it starts."""
+    cfg = RunConfig()
+    cfg.stem.placement, cfg.logging.sync_audit = "device", 2
+    with pytest.raises(ConfigError, match=r"logging\.sync_audit.*no GPU"):
+        validate(cfg, 1)

@@ -115,3 +115,21 @@ def test_adam_beside_the_next_step_changes_nothing(corpus, tmp_path, nnodes, npr
     assert [(r["loss"], r["grad_norm"]) for r in on] == [(r["loss"], r["grad_norm"]) for r in off]
     assert on_weights.keys() == off_weights.keys() and any(".U_l." in name for name in on_weights)
     assert all(torch.equal(on_weights[n], off_weights[n]) for n in off_weights)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("parallel,nnodes,nproc", [("tp2", 1, 4), ("dp2", 2, 2)])
+def test_every_rank_issues_the_step_collectives_in_one_order(corpus, tmp_path, parallel, nnodes, nproc):
+    """DP=2 x TP=2 on one node, and 2 nodes x 2 DP peers (the row exchange's node and rail levels): the collective
+    audit of a step (``logging.collective_audit``) records every collective of every rank, on gloo as on NCCL,
+    with its thread and group. Every pair of ranks issues the collectives of the groups it shares in one order
+    (NCCL hangs where two ranks interleave them differently), the row exchange's all-to-alls among them, and no
+    collective comes from a side thread."""
+    _run(corpus, tmp_path, parallel, nnodes, nproc, "train.global_batch_size=8", "logging.collective_audit=2",
+         "checkpoint.save=false", export=False)
+    audit = json.loads((tmp_path / "collective_audit_step2.json").read_text())
+    assert audit["divergence"] is None, audit["summary"]
+    assert len(audit["calls"]) == nnodes * nproc
+    assert set(audit["threads"]) == {"MainThread"}, audit["threads"]
+    for calls in audit["calls"].values():
+        assert sum(c["op"] in ("all_to_all_single", "alltoall_base") for c in calls) >= 2, calls  # the STEM layer's rows went to owners

@@ -17,6 +17,7 @@ from stem_megatron.config import RunConfig, validate
 from stem_megatron.export.writer import export
 from stem_megatron.flops.mfu import device_peak_tflops, model_flops_per_token, throughput_metrics
 from stem_megatron.model.hash_moe import take_moe_stats
+from stem_megatron.training import collective_audit, sync_audit
 from stem_megatron.training.data_stream import batch_stream, run_datasets
 from stem_megatron.training.metrics_file import MetricsWriter
 from stem_megatron.training.profiling import profiled
@@ -88,7 +89,9 @@ def _train(cfg: RunConfig, dp: int) -> list[dict]:
             batch_stream(train_data, cfg, dp, trainer.store, n_micro, start_step=resumed, steps=last - resumed) as data:
         for step in range(resumed + 1, last + 1):
             start = time.perf_counter()
-            with profiled(rank0 and step == lg.profile_step, cfg.out_dir, step):
+            with profiled(rank0 and step == lg.profile_step, cfg.out_dir, step), \
+                    collective_audit.audited(step == lg.collective_audit, cfg.out_dir, step), \
+                    sync_audit.audited(step == lg.sync_audit, cfg.out_dir, step):
                 out = train_step(trainer, data, n_micro, t.micro_batch_size, cfg.model.seq_length,
                                  cfg.model.vocab_size)
             elapsed = time.perf_counter() - start

@@ -1,0 +1,53 @@
+"""The step audits' logic on plain records: where two ranks' collective orders part (``collective_audit``), and the
+call site a synchronising call is charged to (``sync_audit``). The collective audit of real runs:
+tests/test_multinode.py; the sync audit on a GPU: tests/test_gpu.py."""
+
+import traceback
+
+from stem_megatron.training.collective_audit import first_divergence, summarize
+from stem_megatron.training.sync_audit import call_site
+
+
+def _call(op, group, ranks, thread="MainThread"):
+    return {"op": op, "group": group, "ranks": ranks, "thread": thread}
+
+
+def test_ranks_that_interleave_shared_groups_differently_part_where_they_first_differ():
+    dp, tp = ("dp", [0, 1]), ("tp", [0, 1])
+    same = {0: [_call("allreduce", *tp), _call("reduce_scatter", *dp)],
+            1: [_call("allreduce", *tp), _call("reduce_scatter", *dp)]}
+    assert first_divergence(same) is None
+    swapped = {0: [_call("allreduce", *tp), _call("all_to_all_single", *dp, thread="stem-exchange_0"),
+                   _call("reduce_scatter", *dp)],
+               1: [_call("allreduce", *tp), _call("reduce_scatter", *dp), _call("all_to_all_single", *dp)]}
+    said = first_divergence(swapped)
+    assert said == ("ranks 0 and 1 part at their collective 2 on shared groups: rank 0 issues all_to_all_single "
+                    "on group dp from stem-exchange_0, rank 1 issues reduce_scatter on group dp from MainThread")
+    short = {0: same[0], 1: same[1][:1]}
+    assert first_divergence(short).endswith("rank 1 issues nothing more")
+    report = summarize(3, swapped)
+    assert report["threads"] == {"MainThread": 5, "stem-exchange_0": 1} and report["divergence"] == said
+
+
+def test_groups_a_pair_does_not_share_may_interleave_in_any_order():
+    """Rank 0 is in groups a (with 1) and b (with 2): the order between a and b is only rank 0's to choose."""
+    calls = {0: [_call("allreduce", "a", [0, 1]), _call("allreduce", "b", [0, 2])],
+             1: [_call("allreduce", "a", [0, 1])],
+             2: [_call("allreduce", "b", [0, 2])]}
+    assert first_divergence(calls) is None
+    p2p = {0: [_call("send", "p2p 0-1", [0, 1]), _call("allreduce", "a", [0, 1])],
+           1: [_call("recv", "p2p 0-1", [0, 1]), _call("allreduce", "a", [0, 1])]}
+    assert first_divergence(p2p) is None  # a send meets the peer's recv
+    p2p[1].reverse()
+    assert "part at their collective 1" in first_divergence(p2p)
+
+
+def test_a_synchronising_call_is_charged_to_our_innermost_frame_and_the_torch_function_under_it():
+    frame = traceback.FrameSummary
+    stack = traceback.StackSummary.from_list([
+        frame("/x/site-packages/megatron/core/pipeline_parallel/schedules.py", 10, "f"),
+        frame("/work/main/stem_megatron/host_tables/exchange.py", 147, "g"),
+        frame("/x/site-packages/torch/_tensor.py", 99, "tolist")])
+    assert call_site(stack) == "stem_megatron/host_tables/exchange.py:147 (torch/_tensor.py:99)"
+    assert call_site(traceback.StackSummary.from_list(list(stack)[:2])) == "stem_megatron/host_tables/exchange.py:147"
+    assert call_site(traceback.StackSummary.from_list(list(stack)[2:])) == "torch/_tensor.py:99"
