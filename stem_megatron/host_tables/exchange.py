@@ -5,30 +5,50 @@ not batch tokens, and no expert all-to-all appears. Two levels (``ownership.RowO
 - in a node, each row goes to the DP peer of its class, which sums duplicates: a row leaves a node once;
 - between nodes, the peers of one class form a "rail" (one rank per node, ordered by node) and send
   each row to its owner node.
-Collectives run on the compute device's backend (NCCL on GPU, gloo on CPU). ``stats`` counts the bytes this
-rank sends at both levels and, apart, what crosses nodes (the rail's traffic).
+A step's gradient rows are the step's distinct ids, the same for every layer, so where each goes is worked out
+once a step, on the host over the groups' gloo twins (``plan``: ids only, no device work); each layer's rows then
+follow that plan (``to_owners``: one all-to-all per level, split sizes known, nothing to wait for). Rows run on the
+compute device's backend (NCCL on GPU, gloo on CPU). ``stats`` counts the bytes this rank sends at both levels and,
+apart, what crosses nodes (the rail's traffic).
 """
 
 from __future__ import annotations
 
 import math
 import time
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 import torch.distributed as dist
 
+from stem_megatron.host_tables.node import NodeLayout
 from stem_megatron.host_tables.ownership import RowOwnership
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # stem.wire_dtype / stem.read_dtype
 
 
+@dataclass
+class Route:
+    """One level of a step's rows on their way to the owners (the node's DP peers, or the rail): which rows this
+    rank keeps and which it sends to each group rank, and where each kept, then received row adds up."""
+
+    group: dist.ProcessGroup  # on the device's backend
+    keep: torch.Tensor  # positions of the kept rows among the level's rows (on the device)
+    send: torch.Tensor  # positions of the sent rows, by destination (on the device)
+    send_counts: list[int]
+    recv_counts: list[int]
+    inverse: torch.Tensor  # [kept; received] rows -> position among ``ids`` (on the device)
+    ids: torch.Tensor  # sorted ids this rank holds after the level (host)
+    wire: torch.dtype
+
+
 class RowExchange:
-    def __init__(self, ownership: RowOwnership, local_group, rail_group, device: torch.device,
-                 wire_dtype: str = "fp32"):
-        """``local_group``: this rank's DP peers on its node (None: alone); ``rail_group``: the ranks of
-        this peer class on every node, group rank = node index (None: one node)."""
-        self.own, self.local, self.rail, self.device = ownership, local_group, rail_group, device
+    def __init__(self, ownership: RowOwnership, node: NodeLayout, device: torch.device, wire_dtype: str = "fp32"):
+        """``node.local``: this rank's DP peers on its node (None: alone); ``node.rail``: the ranks of this peer
+        class on every node, group rank = node index (None: one node); ``*_host``: their gloo twins."""
+        self.own, self.device = ownership, device
+        self.local, self.rail, self.local_host, self.rail_host = node.local, node.rail, node.local_host, node.rail_host
         self.wire = DTYPES[wire_dtype]
         self.stats = self.new_stats()
 
@@ -38,32 +58,48 @@ class RowExchange:
 
     def _count(self, group, sent: int, received: int) -> None:
         self.stats["bytes_sent"] += sent
-        if group is self.rail:
+        if group in (self.rail, self.rail_host):
             self.stats["inter_node_sent"] += sent
             self.stats["inter_node_received"] += received
 
     # ---- gradients ----
-    def to_owners(self, ids: torch.Tensor, grads: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(sorted ids this rank updates, their gradients summed over the DP group), from this rank's
-        compact gradient (sorted unique ``ids``). Rows cross nodes in the wire dtype and are summed in fp32."""
-        start = time.perf_counter()
-        if self.local is not None:
-            ids, grads = self._route(ids, grads, self.own.peer_of(ids), self.local, self.own.peer, torch.float32)
-        if self.rail is not None:
-            ids, grads = self._route(ids, grads, self.own.owner(ids), self.rail, self.own.node, self.wire)
+    def plan(self, ids: torch.Tensor) -> tuple[list[Route], torch.Tensor]:
+        """How the rows of a step's gradients (one per sorted distinct id in ``ids``, on the host) reach their
+        owners: the routes of both levels and the sorted ids this rank then holds, those it updates. A collective
+        over the gloo twins of the node and rail groups, ids only."""
+        start, routes = time.perf_counter(), []
+        levels = ((self.local, self.local_host, self.own.peer_of, self.own.peer, torch.float32),
+                  (self.rail, self.rail_host, self.own.owner, self.own.node, self.wire))
+        for group, host, dest_of, me, wire in levels:
+            if group is None:
+                continue
+            dest = dest_of(ids)
+            order = torch.argsort(dest, stable=True)
+            mine = dest[order] == me
+            keep, send = order[mine], order[~mine]
+            counts = torch.bincount(dest[send], minlength=dist.get_world_size(host))
+            received, (got,) = self._all_to_all(host, counts, ids[send], device=torch.device("cpu"))
+            merged, inverse = torch.unique(torch.cat([ids[keep], got]), return_inverse=True)
+            keep, send, inverse = (t.to(self.device, non_blocking=True) for t in (keep, send, inverse))
+            routes.append(Route(group, keep, send, counts.tolist(), received.tolist(), inverse, merged, wire))
+            ids = merged
         self.stats["exchange_s"] += time.perf_counter() - start
-        return ids, grads
+        return routes, ids
 
-    def _route(self, ids, grads, dest, group, me: int, wire: torch.dtype):
-        """Send rows to ``dest`` (group ranks), keep mine in fp32, merge what arrives by id."""
-        order = torch.argsort(dest, stable=True)
-        ids, grads, dest = ids[order], grads[order], dest[order]
-        keep = dest == me
-        counts = torch.bincount(dest[~keep], minlength=dist.get_world_size(group))
-        _, (got_ids, got_rows) = self._all_to_all(group, counts, ids[~keep], grads[~keep].to(wire))
-        merged, inverse = torch.unique(torch.cat([ids[keep], got_ids]), return_inverse=True)
-        summed = torch.zeros(merged.numel(), grads.shape[1], dtype=torch.float32, device=grads.device)
-        return merged, summed.index_add_(0, inverse, torch.cat([grads[keep], got_rows.float()]))
+    def to_owners(self, routes: Sequence[Route], grads: torch.Tensor) -> torch.Tensor:
+        """A layer's gradient rows (one per id the plan started from) summed over the DP group at the rows' owners,
+        in fp32: the gradients of the plan's final ids. Rows cross nodes in the wire dtype."""
+        start = time.perf_counter()
+        for route in routes:
+            out = grads.index_select(0, route.send).to(route.wire)
+            got = out.new_empty((sum(route.recv_counts), grads.shape[1]))
+            dist.all_to_all_single(got, out, route.recv_counts, route.send_counts, group=route.group)
+            row = grads.shape[1] * out.element_size()
+            self._count(route.group, sum(route.send_counts) * row, sum(route.recv_counts) * row)
+            summed = torch.zeros(route.ids.numel(), grads.shape[1], dtype=torch.float32, device=grads.device)
+            grads = summed.index_add_(0, route.inverse, torch.cat([grads.index_select(0, route.keep), got.float()]))
+        self.stats["exchange_s"] += time.perf_counter() - start
+        return grads
 
     # ---- which rows changed elsewhere ----
     def updated_elsewhere(self, ids: torch.Tensor) -> torch.Tensor:
@@ -135,17 +171,20 @@ class RowExchange:
         self.stats["exchange_s"] += time.perf_counter() - start
 
     # ---- the collective under all of the above ----
-    def _all_to_all(self, group, counts: torch.Tensor, *tensors: torch.Tensor) -> tuple[torch.Tensor, list]:
-        """Rows ``tensors[j][sum(counts[:i]) : sum(counts[:i+1])]`` go to group rank i. Returns the counts
-        received from each rank and the received rows of each tensor, ordered by source rank."""
-        counts = counts.to(self.device)
+    def _all_to_all(self, group, counts: torch.Tensor, *tensors: torch.Tensor,
+                    device: torch.device = None) -> tuple[torch.Tensor, list]:
+        """Rows ``tensors[j][sum(counts[:i]) : sum(counts[:i+1])]`` go to group rank i, through ``device``
+        (default: the compute device). Returns the counts received from each rank and the received rows of each
+        tensor, ordered by source rank."""
+        device = device or self.device
+        counts = counts.to(device)
         received = torch.empty_like(counts)
         dist.all_to_all_single(received, counts, group=group)
         send, recv = counts.tolist(), received.tolist()
         self._count(group, 8 * (len(send) - 1), 8 * (len(send) - 1))
         out = []
         for t in tensors:
-            t = t.to(self.device).contiguous()
+            t = t.to(device).contiguous()
             got = t.new_empty((sum(recv), *t.shape[1:]))
             dist.all_to_all_single(got, t, recv, send, group=group)
             row = math.prod(t.shape[1:]) * t.element_size()

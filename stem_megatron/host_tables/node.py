@@ -36,6 +36,10 @@ class NodeLayout:
     dp_nodes: int  # nodes my DP group spans
     local: Optional[dist.ProcessGroup]  # my DP peers on my node (None: I am alone)
     rail: Optional[dist.ProcessGroup]  # the DP peers of my index on every node, group rank = dp_node
+    # the same ranks over gloo, for host tensors (a step's id routing: no device work, no wait for the device);
+    # the groups themselves where the world's backend is gloo already
+    local_host: Optional[dist.ProcessGroup] = None
+    rail_host: Optional[dist.ProcessGroup] = None
 
     @property
     def peer_index(self) -> int:
@@ -62,7 +66,16 @@ def node_layout(dp_ranks: Sequence[int]) -> NodeLayout:
     dp_groups = sorted({dp for _, dp in nodes})
     nodes = [n for n, _ in nodes]
     me, node = dist.get_rank(), nodes[dist.get_rank()]
-    group = local = rail = None
+    group = local = rail = local_host = rail_host = None
+    on_gloo = dist.get_backend() == "gloo"
+
+    def new_groups(ranks: list[int]) -> tuple:
+        """(the group on the world's backend, its gloo twin), or Nones for a rank alone."""
+        if len(ranks) < 2:
+            return None, None
+        device = dist.new_group(ranks)
+        return device, device if on_gloo else dist.new_group(ranks, backend="gloo")
+
     for n in sorted(set(nodes)):  # every rank creates every group, in the same order
         g = dist.new_group([r for r, m in enumerate(nodes) if m == n], backend="gloo")  # host-side sync
         if n == node:
@@ -78,16 +91,16 @@ def node_layout(dp_ranks: Sequence[int]) -> NodeLayout:
                                f"by node: launch the same number of processes on every node (torchrun "
                                f"--nproc_per_node, SLURM --ntasks-per-node)")
         for ranks in ordered:
-            g = dist.new_group(ranks) if len(ranks) > 1 else None
+            groups = new_groups(ranks)
             if me in ranks:
-                local, mine = g, ordered
+                (local, local_host), mine = groups, ordered
         for rail_ranks in zip(*ordered):
-            g = dist.new_group(list(rail_ranks)) if len(ordered) > 1 else None
+            groups = new_groups(list(rail_ranks))
             if me in rail_ranks:
-                rail = g
+                rail, rail_host = groups
     local_peers = next(ranks for ranks in mine if me in ranks)
     return NodeLayout(node=node, group=group, local_dp_peers=local_peers, dp_node=mine.index(local_peers),
-                      dp_nodes=len(mine), local=local, rail=rail)
+                      dp_nodes=len(mine), local=local, rail=rail, local_host=local_host, rail_host=rail_host)
 
 
 class HostMemoryError(RuntimeError):

@@ -5,12 +5,15 @@ distinct ids x this rank's columns), it is added into one fp32 buffer per layer 
 ids (announced by the prefetcher) and the micro-batch's rows are let go: the device holds the rows of the
 micro-batches in flight and the step's merged gradients, not every micro-batch's rows until the step
 ends. A row's micro-batch gradients are added in micro-batch order, as one ``index_add_`` over all of them
-did. Once a layer's last micro-batch is in, the layer goes to its owners (``RowExchange.to_owners``, which
-averages over DP) and the rows this rank updates land in reusable pinned host buffers on a side stream
-(``transfer.DeviceToHost``): from a backward hook on an exchange thread (``stem.overlap_exchange``) while
-backward goes on through the earlier layers, else after backward. Backward finishes layers in the same
-order on every rank of an exchange group, so the thread issues the groups' collectives in the same order
-everywhere.
+did. Where each of the step's rows goes is settled when the step begins (``RowExchange.plan``, on the host);
+once a layer's last micro-batch is in, the layer goes to its owners (``RowExchange.to_owners``, averaged over
+DP) and the rows this rank updates land in reusable pinned host buffers on a side stream
+(``pinned.DeviceToHost``): from the backward hook itself (``stem.overlap_exchange``) while backward goes on
+through the earlier layers, else after backward. The hook runs where backward runs (the training thread, or on
+GPU autograd's device thread while the training thread waits in ``backward``), and every rank of an exchange
+group finishes its layers in one order, so the exchange's collectives take one place among the step's others
+on every rank: no collective comes from a thread of its own (NCCL would hang on two ranks' different
+interleavings; ``logging.collective_audit`` checks it).
 
 Update order (``RowUpdates``). CPU Adam cannot start before the clipping norm, which needs every layer's
 gradients. It then runs in two parts, both on a thread of its own with the node's cores: first the rows
@@ -24,7 +27,6 @@ s+1 reflect step s exactly as in the serial order.
 from __future__ import annotations
 
 import functools
-import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Optional
@@ -33,8 +35,8 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-from stem_megatron.host_tables.exchange import RowExchange
-from stem_megatron.host_tables.transfer import DeviceToHost
+from stem_megatron.host_tables.exchange import Route, RowExchange
+from stem_megatron.host_tables.pinned import DeviceToHost
 
 Landed = tuple[torch.Tensor, torch.Tensor, Optional[torch.cuda.Event]]  # (ids, gradients, their copy's end)
 
@@ -43,42 +45,46 @@ class RowGradients:
     """Per STEM layer, the step's row gradients: merged on the device, exchanged, landed on the host."""
 
     def __init__(self, layers: list[int], cols: int, exchange: RowExchange, dp_group, device: torch.device,
-                 overlap: bool):
+                 overlap: bool, landing_rows: int = 0):
+        """``landing_rows``: the most rows this rank updates in a step (``pinned.landing_rows``), whose pinned
+        landing buffers are reserved here (GPU)."""
         self.layers, self.cols, self.exchange, self.dp_group, self.device = layers, cols, exchange, dp_group, device
+        self.overlap = overlap
         self.d2h = DeviceToHost(device)
+        for layer in layers:
+            self.d2h.reserve(layer, landing_rows * cols * 4)
         self.stats = self.new_stats()
-        self._sender = ThreadPoolExecutor(1, "stem-exchange", self._sender_device) if overlap else None
-        self._ids: Optional[torch.Tensor] = None  # the step's sorted distinct ids (host); None: no step begun
-        self._ids_on_device: Optional[torch.Tensor] = None  # the same, copied once a step for the exchange
-        self._micro_batches = 0
-        self._merged: dict[int, torch.Tensor] = {}  # layer -> [len(ids), cols] fp32 on the device
+        self._routes: Optional[list[Route]] = None  # the step's rows on their way to the owners; None: no step
+        self._owned = torch.empty(0, dtype=torch.int64)  # the sorted ids this rank updates in the step
+        self._size = self._micro_batches = 0  # the step's distinct ids, its micro-batches
+        self._merged: dict[int, torch.Tensor] = {}  # layer -> [step's distinct ids, cols] fp32 on the device
         self._filled = dict.fromkeys(layers, 0)
-        self._sent: dict[int, Future] = {}
-        self._parity = 0  # host buffers alternate by step: CPU Adam may still read the last step's
-        self._held, self._lock = 0, threading.Lock()  # device bytes of registered rows and merged gradients
+        self._sent: dict[int, tuple[Landed, torch.Tensor]] = {}  # layers sent from backward
+        self._held = 0  # device bytes of registered rows and merged gradients
 
     @staticmethod
     def new_stats() -> dict:
         """``device_row_bytes_peak``: the most device bytes the step held in row leaves registered by the
         forward and not yet merged, their gradient being merged and the merged buffers (the memory plan's
-        ``step_rows`` less the prefetcher's queue)."""
+        ``step_rows`` less the prefetcher's queue). ``exchange_wait_s``: the step's wait after backward for
+        layers not sent during it."""
         return dict(bytes_from_device=0, layers_sent_in_backward=0, exchange_wait_s=0.0, device_row_bytes_peak=0)
 
     def _hold(self, nbytes: int, transient: int = 0) -> None:
-        with self._lock:
-            self._held += nbytes
-            self.stats["device_row_bytes_peak"] = max(self.stats["device_row_bytes_peak"], self._held + transient)
+        self._held += nbytes
+        self.stats["device_row_bytes_peak"] = max(self.stats["device_row_bytes_peak"], self._held + transient)
 
     def begin(self, ids: torch.Tensor, micro_batches: int) -> None:
-        self._ids, self._micro_batches = ids, micro_batches
-        self._ids_on_device = ids.to(self.device, non_blocking=True)
+        """A step of ``micro_batches`` reading the sorted distinct ``ids`` starts: its routes to the owners are
+        settled here, on the training thread (a collective over the exchange groups' gloo twins)."""
+        self._routes, self._owned = self.exchange.plan(ids)
+        self._size, self._micro_batches = ids.numel(), micro_batches
         self._filled = dict.fromkeys(self.layers, 0)
-        self._parity ^= 1
 
     def track(self, layer: int, in_step: Optional[torch.Tensor], rows: torch.Tensor) -> None:
         """(forward) Merge ``rows.grad`` into the step's buffer of ``layer`` when backward fills it;
         ``in_step``: positions of the rows' ids among the step's ids, on the device."""
-        if self._ids is None or in_step is None:
+        if self._routes is None or in_step is None:
             raise RuntimeError("STEM rows were registered outside a step: call store.begin_step(micro_batches, "
                                "step_ids) first and fetch with the step's ids (RowPrefetcher does both)")
         rows.register_post_accumulate_grad_hook(functools.partial(self._merge, layer, in_step))
@@ -88,53 +94,40 @@ class RowGradients:
         """Backward hook: add a micro-batch's gradient, free its rows; after the step's last, send the layer."""
         merged = self._merged.get(layer)
         if merged is None:
-            merged = self._merged[layer] = torch.zeros(self._ids.numel(), self.cols, device=self.device)
+            merged = self._merged[layer] = torch.zeros(self._size, self.cols, device=self.device)
             self._hold(merged.numel() * 4)
         self._hold(0, transient=rows.grad.numel() * 4)
         merged.index_add_(0, in_step, rows.grad)
         rows.grad = None
         self._hold(-rows.numel() * rows.element_size())  # autograd lets the leaf go with the micro-batch
         self._filled[layer] += 1
-        if self._sender is not None and self._filled[layer] == self._micro_batches:
-            ready = torch.cuda.Event() if self.device.type == "cuda" else None
-            if ready is not None:
-                ready.record()  # the gradients are written on backward's stream; the sender waits for them
-            self._sent[layer] = self._sender.submit(self._send, layer, ready)
+        if self.overlap and self._filled[layer] == self._micro_batches:
+            self._sent[layer] = self._send(layer)
 
-    def _sender_device(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)  # the current device is per thread
-
-    def _send(self, layer: int, ready=None) -> tuple[Landed, torch.Tensor]:
+    def _send(self, layer: int) -> tuple[Landed, torch.Tensor]:
         """Send layer ``layer``'s merged gradients to their owners; returns (the ids this rank updates and
         their DP-averaged gradients, landing on the host; the squared norm of those rows, on the device)."""
-        if ready is not None:
-            torch.cuda.current_stream(self.device).wait_event(ready)
         merged = self._merged.pop(layer, None)
-        ids = self._ids_on_device if merged is not None else self._ids_on_device[:0]
-        if merged is None:  # no micro-batch of this rank reached the layer: still part of the exchange
-            merged = torch.zeros(0, self.cols, device=self.device)
+        if merged is None:
+            raise RuntimeError(f"STEM layer {layer} got no row gradients this step: every micro-batch's backward "
+                               f"must reach it before store.reduce_gradients()")
         self._hold(-merged.numel() * 4)
-        owned, summed = self.exchange.to_owners(ids, merged)
+        summed = self.exchange.to_owners(self._routes, merged)
         summed /= dist.get_world_size(self.dp_group)
         self.stats["bytes_from_device"] += summed.numel() * 4
-        key = (layer, self._parity)
-        host_ids, _ = self.d2h.copy(owned, key + ("ids",))
-        host_grads, landed = self.d2h.copy(summed, key + ("grads",))  # after the ids, on the same stream
-        return (host_ids, host_grads, landed), summed.pow(2).sum()
+        host_grads, landed = self.d2h.copy(summed, layer)  # store.step copies it out before CPU Adam reads
+        return (self._owned, host_grads, landed), summed.pow(2).sum()
 
     def reduce(self) -> tuple[dict[int, Landed], torch.Tensor]:
         """Every layer's gradients at their owners, those sent during backward first; returns them and the
         squared norm of the STEM gradients summed over DP, TP and PP (each row counted once)."""
         start = time.perf_counter()
-        sent = {layer: future.result() for layer, future in self._sent.items()}  # the thread is idle after
-        self.stats["layers_sent_in_backward"] += len(sent)
-        self._sent.clear()
+        self.stats["layers_sent_in_backward"] += len(self._sent)
         out, sq = {}, torch.zeros((), dtype=torch.float32, device=self.device)
         for layer in self.layers:
-            out[layer], layer_sq = sent[layer] if layer in sent else self._send(layer)
+            out[layer], layer_sq = self._sent.pop(layer) if layer in self._sent else self._send(layer)
             sq += layer_sq
-        self._ids = self._ids_on_device = None
+        self._routes = None
         self.stats["exchange_wait_s"] += time.perf_counter() - start
         dist.all_reduce(sq, group=self.dp_group)
         dist.all_reduce(sq, group=parallel_state.get_model_parallel_group())

@@ -39,10 +39,10 @@ from stem_megatron.host_tables.cache import HotRowCache
 from stem_megatron.host_tables.exchange import DTYPES, RowExchange
 from stem_megatron.host_tables.node import SHM_DIR, node_layout, shared_tensors
 from stem_megatron.host_tables.ownership import RowOwnership
+from stem_megatron.host_tables.pinned import landed, landing_rows, staging_bytes
 from stem_megatron.host_tables.row_adam import RowAdam
 from stem_megatron.host_tables.step_pipeline import RowGradients, RowUpdates
-from stem_megatron.host_tables.transfer import (HostToDevice, PrefetchedRows, fetch_rows, landed,
-                                                travel_dtype)
+from stem_megatron.host_tables.transfer import HostToDevice, PrefetchedRows, fetch_rows, travel_dtype
 from stem_megatron.layer_plan import planned_layers
 from stem_megatron.model.device_table import table_init_std, table_row_chunks
 
@@ -69,8 +69,12 @@ class HostTableStore:
         overlap: bool = True,
         overlap_update: bool = True,
         compute_dtype: Optional[torch.dtype] = None,
+        micro_batch_tokens: int = 0,
+        micro_batches: int = 1,
     ):
-        """Collective over the world (node and exchange groups and the shared tables are created here)."""
+        """Collective over the world (node and exchange groups and the shared tables are created here).
+        ``micro_batch_tokens`` (b * s) and ``micro_batches`` (a step's, per DP rank) size the pinned staging
+        and landing buffers on GPU before the first step (``pinned``; 0: sized by the first steps)."""
         if optimizer not in ("lazy", "dense"):
             raise ValueError(f"stem.optimizer must be 'lazy' or 'dense', got {optimizer!r}")
         self.layers = list(layers)  # global 1-based layer numbers of this stage's STEM layers
@@ -83,7 +87,7 @@ class HostTableStore:
         self.node = node_layout(dist.get_process_group_ranks(self.dp_group))
         n = self.node
         self.own = RowOwnership(vocab_size, n.dp_nodes, n.dp_node, len(n.local_dp_peers), n.peer_index)
-        self.exchange = RowExchange(self.own, n.local, n.rail, self.device, wire_dtype)
+        self.exchange = RowExchange(self.own, n, self.device, wire_dtype)
         run_id = [secrets.token_hex(6) if dist.get_rank() == 0 else None]
         dist.broadcast_object_list(run_id, src=0)
         self.read_dtype = DTYPES[read_dtype]
@@ -113,10 +117,16 @@ class HostTableStore:
         self.current = torch.ones(vocab_size, dtype=torch.bool)
         self.adam = RowAdam(betas, eps, weight_decay)
         self.cache = HotRowCache(cache_rows, vocab_size, self.device)
-        self.h2d = HostToDevice(self.device, dtype=compute_dtype)
-        self._row_bytes = self.cols * travel_dtype(self.read_dtype, compute_dtype).itemsize  # as rows travel
+        travel = travel_dtype(self.read_dtype, compute_dtype).itemsize
+        rows = min(vocab_size, micro_batch_tokens)  # distinct ids of a micro-batch, at most
+        step_ids = dist.get_world_size(self.dp_group) * min(vocab_size, micro_batches * micro_batch_tokens)
+        self.h2d = HostToDevice(self.device, dtype=compute_dtype,
+                                slot_bytes=rows and staging_bytes(len(self.layers), rows, self.cols, travel,
+                                                                  micro_batch_tokens))
+        self._row_bytes = self.cols * travel  # as rows travel
         self.steps_done = 0
-        self.grads = RowGradients(self.layers, self.cols, self.exchange, self.dp_group, self.device, overlap)
+        self.grads = RowGradients(self.layers, self.cols, self.exchange, self.dp_group, self.device, overlap,
+                                  landing_rows=landing_rows(self.own, step_ids))
         self.updates = RowUpdates(overlap_update, adam_threads(self.device))
         self._grads: dict = {}  # layer -> (ids, gradients, copy event) of the step, on the host
         self._stats = self._new_stats()
@@ -377,4 +387,6 @@ def build_store(cfg: RunConfig, tconfig: TransformerConfig, device: torch.device
         weight_decay=t.weight_decay, cache_rows=cfg.stem.cache_rows, device=device, shm_dir=cfg.stem.shm_dir,
         wire_dtype=cfg.stem.wire_dtype, read_dtype=cfg.stem.read_dtype, overlap=cfg.stem.overlap_exchange,
         overlap_update=cfg.stem.overlap_update, compute_dtype=tconfig.params_dtype,
+        micro_batch_tokens=t.micro_batch_size * m.seq_length,
+        micro_batches=t.global_batch_size // (t.micro_batch_size * parallel_state.get_data_parallel_world_size()),
     )

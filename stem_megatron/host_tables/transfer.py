@@ -1,28 +1,29 @@
 """Moving STEM rows from host memory to the compute device, selected by device.
 
-On GPU the rows are gathered straight into reusable pinned staging buffers (``PinnedStaging``: no
-pageable copy, no pinned allocation per fetch) and copied on a side stream, so the copy overlaps the
-compute of the current micro-batch; the consumer's stream waits on an event before using them. Rows
+On GPU the rows are gathered straight into pinned staging (``pinned.StagingPool``: a slot per fetch, reserved
+before the first step, so no pageable copy, no pinned allocation during training, and no fetch shares bytes with
+another, on whichever thread) and copied on a side stream, so the copy overlaps the compute of the current
+micro-batch; the consumer's stream waits on an event before using them. Rows
 travel in the model's compute precision (bf16 on GPU): the layer casts its fp32 row leaf to that dtype
 before any use, so rounding on the host first changes no value and halves the bytes. On CPU the gathered
 rows are already where compute happens: no copy, no event. Rows held by the hot-row cache come from its
 device copies instead of host memory. Training (``store``) and inference (``read_only``) fetch through
 ``fetch_rows``.
 
-The other way, a step's row gradients land in reusable pinned host buffers (``DeviceToHost``), copied on a
+The other way, a step's row gradients land in pinned host buffers (``pinned.DeviceToHost``), copied on a
 side stream that the CPU optimizer's thread waits for, never the training thread.
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
 from dataclasses import dataclass
-from typing import Callable, Mapping, Optional
+from typing import Callable, Iterator, Mapping, Optional
 
 import torch
 
 from stem_megatron.data.integrity import check_token_ids
+from stem_megatron.host_tables.pinned import CudaCopies, StagingPool
 
 
 @dataclass
@@ -53,136 +54,81 @@ class PrefetchedRows:
             t.record_stream(stream)  # allocated on the side stream, used on this one
 
 
-class PinnedStaging:
-    """A ring of reusable pinned host buffers for host-to-device copies. A buffer is handed out again only
-    after its previous copy finished (its event), so a gather never overwrites bytes still in flight;
-    buffers grow to the largest request and are then reused, so steady state allocates nothing.
-    ``allocate`` and ``event`` are torch's (pinned memory, CUDA events) unless a test passes stand-ins."""
-
-    def __init__(self, count: int, allocate=None, event=None):
-        self._allocate = allocate or (lambda nbytes: torch.empty(nbytes, dtype=torch.uint8, pin_memory=True))
-        self._event = event or torch.cuda.Event
-        self._buffers: list[Optional[torch.Tensor]] = [None] * count
-        self._events: list = [None] * count
-        self._next = 0
-
-    def take(self, shape: tuple[int, ...], dtype: torch.dtype) -> tuple[int, torch.Tensor]:
-        """(slot, a pinned tensor of ``shape``) that no copy in flight still reads."""
-        slot, self._next = self._next, (self._next + 1) % len(self._buffers)
-        if self._events[slot] is not None:
-            self._events[slot].synchronize()
-        nbytes = math.prod(shape) * torch.tensor([], dtype=dtype).element_size()
-        if self._buffers[slot] is None or self._buffers[slot].numel() < nbytes:
-            self._buffers[slot] = self._allocate(max(nbytes, 1))
-        return slot, self._buffers[slot][:nbytes].view(dtype).view(shape)
-
-    def used(self, slot: int, stream=None) -> None:
-        """Mark the end of the copy out of ``slot`` (recorded on ``stream``, the side stream)."""
-        self._events[slot] = self._event()
-        self._events[slot].record(stream)
-
-
 class HostToDevice:
-    """The copy engine's side of a fetch: a side stream and pinned staging on GPU, nothing on CPU.
+    """The copy engine's side of fetches: a side stream and pinned staging (``pinned.StagingPool``) on GPU,
+    nothing on CPU. Each fetch's copies go through ``transfer()``, which gives the fetch a staging slot of its
+    own, so fetches on several threads never share bytes.
 
     The hot-row cache is written on the training stream (after an optimizer step) and read on the side
-    stream (by the next fetch): ``cache_written`` marks the end of the writes with an event that
-    ``wait_for_cache`` makes the side stream wait for, so a fetch never reads rows from before the step.
+    stream (by the next fetch): ``cache_written`` marks the end of the writes with an event that a
+    transfer's ``after_cache`` makes the side stream wait for, so a fetch never reads rows from before the step.
     """
 
-    def __init__(self, device: torch.device, staging_buffers: int = 8, dtype: Optional[torch.dtype] = None):
+    def __init__(self, device: torch.device, dtype: Optional[torch.dtype] = None, slot_bytes: int = 0, copies=None):
         """``dtype``: the precision rows travel in where it is narrower than the table's (the model's compute
-        dtype; None: the table's)."""
+        dtype; None: the table's). ``slot_bytes``: a fetch's staging, planned (``pinned.staging_bytes``; 0: sized
+        by the first fetches). ``copies``: the copy engine (default: ``pinned.CudaCopies`` on GPU, none on CPU)."""
         self.device, self.dtype = device, dtype
-        self.side = torch.cuda.Stream(device) if device.type == "cuda" else None
-        self.staging = PinnedStaging(staging_buffers) if self.side is not None else None
-        self._cache_event: Optional[torch.cuda.Event] = None
-
-    def stream(self):
-        return torch.cuda.stream(self.side) if self.side is not None else contextlib.nullcontext()
+        self.copies = copies if copies is not None else CudaCopies(device) if device.type == "cuda" else None
+        self.staging = StagingPool(self.copies, slot_bytes) if self.copies is not None else None
+        self.cache_event = None  # the end of the last hot-row cache writes (GPU)
 
     def cache_written(self) -> None:
         """Call after writing the hot-row cache on the current stream, before publishing the new rows."""
-        if self.side is not None:
-            self._cache_event = torch.cuda.Event()
-            self._cache_event.record()
+        if self.copies is not None:
+            self.cache_event = self.copies.mark()
 
-    def wait_for_cache(self) -> None:
-        """Inside ``stream()``: later work on the side stream waits for the last cache writes."""
-        if self._cache_event is not None:
-            self.side.wait_event(self._cache_event)
+    @contextlib.contextmanager
+    def transfer(self) -> Iterator["Transfer"]:
+        """One fetch's copies (issued on the side stream, through a staging slot of its own on GPU); the
+        transfer's ``ready`` marks their end once the block is left."""
+        if self.copies is None:
+            yield Transfer(self, None)
+            return
+        with self.staging.slot() as slot, self.copies.stream():
+            transfer = Transfer(self, slot)
+            try:
+                yield transfer
+            finally:
+                transfer.ready = slot.done = self.copies.record()
+
+
+class Transfer:
+    """The copies of one fetch (``HostToDevice.transfer``)."""
+
+    def __init__(self, h2d: HostToDevice, slot):
+        self.h2d, self.slot = h2d, slot
+        self.ready = None  # the event ending the copies (GPU), set when the transfer ends
+
+    def after_cache(self) -> None:
+        """The copies that follow wait for the last hot-row cache writes (``HostToDevice.cache_written``)."""
+        if self.slot is not None and self.h2d.cache_event is not None:
+            self.h2d.copies.side_waits(self.h2d.cache_event)
 
     def gather(self, table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """``table[ids]`` on the device: on GPU gathered into a staging buffer and copied from there (inside
-        ``stream()``)."""
-        dtype = travel_dtype(table.dtype, self.dtype)
-        if self.side is None:
+        """``table[ids]`` on the device: on GPU gathered into the staging slot and copied from there."""
+        dtype = travel_dtype(table.dtype, self.h2d.dtype)
+        if self.slot is None:
             return table.index_select(0, ids).to(dtype)
-        slot, staged = self.staging.take((ids.numel(), *table.shape[1:]), dtype)
+        staged = self.slot.carve((ids.numel(), *table.shape[1:]), dtype, self.h2d.copies)
         if dtype == table.dtype:
             torch.index_select(table, 0, ids, out=staged)
         else:
             staged.copy_(table.index_select(0, ids))
-        return self._send(slot, staged)
+        return self.h2d.copies.to_device(staged)
 
     def copy(self, tensor: torch.Tensor) -> torch.Tensor:
-        """A host tensor on the device (inside ``stream()``), through a staging buffer on GPU."""
-        if self.side is None:
+        """A host tensor on the device, through the staging slot on GPU."""
+        if self.slot is None:
             return tensor
-        slot, staged = self.staging.take(tuple(tensor.shape), tensor.dtype)
+        staged = self.slot.carve(tuple(tensor.shape), tensor.dtype, self.h2d.copies)
         staged.copy_(tensor)
-        return self._send(slot, staged)
-
-    def _send(self, slot: int, staged: torch.Tensor) -> torch.Tensor:
-        out = staged.to(self.device, non_blocking=True)
-        self.staging.used(slot, self.side)
-        return out
-
-    def record(self) -> Optional[torch.cuda.Event]:
-        if self.side is None:
-            return None
-        event = torch.cuda.Event()
-        event.record(self.side)
-        return event
+        return self.h2d.copies.to_device(staged)
 
 
 def travel_dtype(table: torch.dtype, compute: Optional[torch.dtype]) -> torch.dtype:
     """The dtype rows cross to the device in: the compute dtype where it is narrower than the table's."""
     return compute if compute is not None and compute.itemsize < table.itemsize else table
-
-
-class DeviceToHost:
-    """Device tensors into reusable pinned host buffers, copied on a side stream (GPU): the training
-    thread issues the copy and goes on; whoever reads the host tensor first calls ``landed``. Buffers are
-    keyed by the caller (a layer, a part, the step's parity: the optimizer may still read last step's
-    while this step's land) and grow to the largest request. On CPU the tensor is already on the host."""
-
-    def __init__(self, device: torch.device):
-        self.side = torch.cuda.Stream(device) if device.type == "cuda" else None
-        self._buffers: dict = {}
-
-    def copy(self, tensor: torch.Tensor, key) -> tuple[torch.Tensor, Optional[torch.cuda.Event]]:
-        """(the host tensor, the event ending its copy; None on CPU)."""
-        if self.side is None:
-            return tensor, None
-        nbytes = tensor.numel() * tensor.element_size()
-        buffer = self._buffers.get(key)
-        if buffer is None or buffer.numel() < nbytes:
-            buffer = self._buffers[key] = torch.empty(max(nbytes, 1), dtype=torch.uint8, pin_memory=True)
-        host = buffer[:nbytes].view(tensor.dtype).view(tensor.shape)
-        self.side.wait_stream(torch.cuda.current_stream(tensor.device))  # the tensor's producers first
-        with torch.cuda.stream(self.side):
-            host.copy_(tensor, non_blocking=True)
-            tensor.record_stream(self.side)  # its memory is not reused before the copy ends
-            landed = torch.cuda.Event()
-            landed.record(self.side)
-        return host, landed
-
-
-def landed(event: Optional[torch.cuda.Event]) -> None:
-    """Block this thread (not the device) until a ``DeviceToHost`` copy is on the host."""
-    if event is not None:
-        event.synchronize()
 
 
 def fetch_rows(tokens: torch.Tensor, vocab_size: int, tables: Mapping[int, torch.Tensor], cache,
@@ -205,22 +151,22 @@ def fetch_rows(tokens: torch.Tensor, vocab_size: int, tables: Mapping[int, torch
     miss = uniq[~hit]
     any_hit = bool(hit.any())
     rows = {}
-    with h2d.stream():  # every copy below is issued on the side stream (GPU)
+    with h2d.transfer() as send:  # every copy below is issued on the side stream (GPU), staged in its own slot
         if any_hit:  # positions of hits and misses among the ids, computed here: no mask indexing on the device
-            h2d.wait_for_cache()
-            hit_at, miss_at, pos = (h2d.copy(t) for t in (hit.nonzero().squeeze(1), (~hit).nonzero().squeeze(1), pos))
+            send.after_cache()
+            hit_at, miss_at, pos = (send.copy(t) for t in (hit.nonzero().squeeze(1), (~hit).nonzero().squeeze(1), pos))
         rows_at = miss if at is None else at(miss)
         for layer, table in tables.items():
-            fetched = h2d.gather(table, rows_at)
+            fetched = send.gather(table, rows_at)
             if any_hit:
                 out = torch.empty(uniq.numel(), table.shape[1], dtype=fetched.dtype, device=h2d.device)
                 out.index_copy_(0, hit_at, cache.rows[layer].index_select(0, pos).to(fetched.dtype))
                 out.index_copy_(0, miss_at, fetched)
                 fetched = out
             rows[layer] = fetched.float()  # the layer's row leaf: gradients sum in fp32
-        inverse = h2d.copy(inverse)
-        in_step = None if step_ids is None else h2d.copy(_positions(step_ids, uniq))
-        ready = h2d.record()
+        inverse = send.copy(inverse)
+        in_step = None if step_ids is None else send.copy(_positions(step_ids, uniq))
+    ready = send.ready
     return PrefetchedRows(uniq, inverse, Fetched(rows, ready, {}), in_step), hit
 
 
