@@ -4,9 +4,17 @@ VENV ?= .venv
 export TORCH_EXTENSIONS_DIR ?= $(abspath $(VENV))/torch_extensions
 NPROC ?= 2
 
-.PHONY: setup demo test bench
+.PHONY: setup demo test bench wheelhouse
 setup:
 	bash tools/setup.sh
+
+# the wheels an offline GPU node needs, built here for its Python and platform (docs/gpu.md, Offline GPU nodes);
+# TARGET_FREEZE: `python3 -m pip list --format=freeze` there; then `make setup PYTHON=... WHEELHOUSE=DIR` there
+TARGET_PYTHON ?= 3.12
+TARGET_PLATFORM ?= manylinux_2_28_x86_64
+wheelhouse:
+	$(or $(PYTHON),python3) tools/wheelhouse.py --wheelhouse "$(WHEELHOUSE)" --freeze "$(TARGET_FREEZE)" \
+	  --python-version $(TARGET_PYTHON) --platform $(TARGET_PLATFORM)
 
 # the demo trains from step 1 every time (runs resume from their checkpoints by default); one OpenMP thread per
 # process unless set, as torchrun would choose (and then print a banner about)

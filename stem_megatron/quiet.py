@@ -7,6 +7,8 @@ that raises it; any other warning, ours (e.g. ``cpu_compat``'s version notice) o
   import; torch's optimizers and megatron's local kernels are what runs without them (stem-doctor checks TE on a GPU)
 - "Apex is not installed. Falling back to Torch Norm": megatron's layer specs; torch's norms are the ones we use
 - "full scope is deprecated": megatron-core warns about its own default ``cuda_graph_scope="full"``
+- "absl.logging is not installed": megatron-core's process-grid module at import, where absl-py is absent (a venv
+  with the core requirements only, as an offline GPU node's); it logs through the standard logging module instead
 - "MimoModelConfig is experimental": megatron-core 0.19 warns when its optimizer imports the multimodal model
   package, which we do not use
 - "The .grad attribute of a Tensor that is not a leaf ...": megatron's distributed optimizer probes ``.grad`` of its
@@ -35,6 +37,7 @@ _WARNINGS = (  # (message, category, module): regular expressions matched at the
     (r"Apex is not installed\. Falling back to Torch Norm", UserWarning, r"megatron\.core\."),
     (r"full scope is deprecated\. Use empty cuda_graph_modules", UserWarning,
      r"megatron\.core\.transformer\.transformer_config$"),
+    (r"absl\.logging is not installed\. Using logging\.getLogger", UserWarning, r"megatron\.core\.hyper_comm_grid$"),
     (r"MimoModelConfig is experimental", UserWarning, r"megatron\.core\.models\.mimo\."),
     (r"The \.grad attribute of a Tensor that is not a leaf Tensor is being accessed", UserWarning,
      r"(megatron\.core\.optimizer\.optimizer|stem_megatron\.cpu_compat)$"),

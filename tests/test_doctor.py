@@ -1,10 +1,12 @@
 """``stem-doctor`` on this machine (no GPU): GPU items skipped, the environment and CPU training checks pass, exit 0,
 and nothing on stderr; a broken DeepSpeed op fails it naming the fix; a GPU node without Transformer Engine warns and
 still trains; the GPU-vs-CPU comparison run end to end with the "GPU" job on the CPU; the loss tolerance and the TE
-version range; the launcher's job-start check."""
+version range; where torch / TE / Apex come from (the venv, or the environment it was layered on) and the pins setup
+writes for what it reuses; the launcher's job-start check."""
 
 import subprocess
 import sys
+import sysconfig
 import tomllib
 import types
 from pathlib import Path
@@ -13,7 +15,7 @@ import pytest
 import torch
 from packaging.requirements import Requirement
 
-from stem_megatron.doctor import checks, cli, cuda, job_start, training, versions
+from stem_megatron.doctor import checks, cli, cuda, job_start, layered, training, versions
 from stem_megatron.doctor.report import FAIL, OK, Result, run_check
 from stem_megatron.host_tables import row_adam
 from stem_megatron.parallel import child_env
@@ -112,6 +114,81 @@ def test_loss_comparison_tolerance():
     assert training.loss_mismatches([8.35, float("nan"), 7.60], cpu) == ["step 2: GPU nan vs CPU 8.1000"]
     assert training.loss_mismatches([8.35, 8.10], cpu) == ["the GPU run logged 2 steps, the CPU run 3"]
     assert training.loss_mismatches([8.5], [8.35], rtol=1e-2) == ["step 1: GPU 8.5000 vs CPU 8.3500"]
+
+
+NODE_SITE = Path("/opt/torch/.venv/lib/python3.12/site-packages")
+NGC_SITE = Path("/usr/local/lib/python3.12/dist-packages")
+
+
+@pytest.mark.parametrize("dists, line", [
+    ([("torch", "2.13.0", None)],
+     "torch 2.13.0 (venv, fits >=2.6), megatron-core 0.19.2, deepspeed 0.19.8, transformer-engine not installed"),
+    ([("torch", "2.11.0+cu130", NODE_SITE)],
+     f"torch 2.11.0+cu130 (from {NODE_SITE}, fits >=2.6), megatron-core 0.19.2, deepspeed 0.19.8, "
+     "transformer-engine not installed"),
+    ([("torch", "2.8.0a0+5228986c39.nv25.6", NGC_SITE), ("transformer-engine", "2.17.0+4e0f6ab", NGC_SITE),
+      ("apex", "0.1", NGC_SITE)],
+     f"torch 2.8.0a0+5228986c39.nv25.6 (from {NGC_SITE}, fits >=2.6), megatron-core 0.19.2, deepspeed 0.19.8, "
+     f"transformer-engine 2.17.0+4e0f6ab (from {NGC_SITE}, fits the gpu extra's <2.21,>=2.9), apex 0.1 (from "
+     f"{NGC_SITE})"),
+    ([("torch", "2.13.0", None), ("transformer-engine", "2.8.0", None)],
+     "torch 2.13.0 (venv, fits >=2.6), megatron-core 0.19.2, deepspeed 0.19.8, transformer-engine 2.8.0 (venv, not "
+     "in the gpu extra's <2.21,>=2.9)"),
+], ids=["venv", "layered on a venv", "NGC container", "TE outside the gpu extra"])
+def test_versions_line_says_where_torch_te_and_apex_come_from_and_whether_they_fit(monkeypatch, dists, line):
+    found = {name: layered.Found(name, version, where or Path("/venv/site"), where is None)
+             for name, version, where in dists}
+    monkeypatch.setattr(layered, "machine_built", lambda: found)
+    assert checks.check_versions() == (OK, line)
+
+
+def test_a_torch_outside_the_projects_requirement_fails_the_versions_check(monkeypatch):
+    monkeypatch.setattr(layered, "machine_built", lambda: {"torch": layered.Found("torch", "2.5.1", NODE_SITE, False)})
+    monkeypatch.setattr(versions, "unmet_requirements", lambda: ["torch 2.5.1 is not >=2.6"])
+    result = run_check("versions", checks.check_versions, "run `make setup`")
+    assert result.status == FAIL
+    assert result.detail == (f"torch 2.5.1 is not >=2.6 (torch 2.5.1 (from {NODE_SITE}, not in >=2.6), megatron-core "
+                             "0.19.2, deepspeed 0.19.8, transformer-engine not installed): run `make setup`")
+
+
+def _stub_venv(venv: Path, dists: dict[str, str], system_site: bool = False) -> Path:
+    """A venv (no pip) whose site-packages holds only the dist-info of ``dists`` (name: version); its site dir."""
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", *["--system-site-packages"] * system_site,
+                    str(venv)], check=True)
+    site = Path(sysconfig.get_path("purelib", vars={"base": str(venv)}))
+    for name, version in dists.items():
+        info = site / f"{name}-{version}.dist-info"
+        info.mkdir()
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+    return site
+
+
+def test_setup_pins_what_a_layered_venv_reuses(tmp_path):
+    """tools/setup.sh's step: in a venv layered on a node's venv (a .pth names its site-packages), torch, every TE
+    distribution and Apex are pinned at their versions, nothing else is; a venv's own torch shadows the node's and
+    is not pinned, and a venv that reuses nothing has no constraints file (an old one goes)."""
+    node = _stub_venv(tmp_path / "node", {"torch": "2.11.0+cu130", "transformer_engine": "2.9.0+a1b2c3",
+                                          "transformer_engine_torch": "2.9.0", "apex": "0.1", "numpy": "2.5.5"})
+    pins = tmp_path / "constraints.txt"
+
+    def reuse(venv: Path) -> str:
+        return subprocess.run([str(venv / "bin" / "python"), "-m", "stem_megatron.doctor.layered", str(pins)],
+                              capture_output=True, text=True, cwd=REPO, check=True).stdout
+
+    venv = tmp_path / "venv"
+    (_stub_venv(venv, {}, system_site=True) / "_stem_layered_on.pth").write_text(f"{node}\n")
+    assert reuse(venv) == (f"reusing apex 0.1, torch 2.11.0+cu130, transformer-engine 2.9.0+a1b2c3, "
+                           f"transformer-engine-torch 2.9.0 from {node}: not installed here, pinned in {pins}\n")
+    assert pins.read_text() == ("apex==0.1\ntorch==2.11.0+cu130\ntransformer-engine==2.9.0+a1b2c3\n"
+                                "transformer-engine-torch==2.9.0\n")
+
+    own = tmp_path / "own"
+    pth = _stub_venv(own, {"torch": "2.13.0"}) / "_stem_layered_on.pth"
+    pth.write_text(f"{node}\n")
+    assert reuse(own).startswith("reusing apex 0.1, transformer-engine 2.9.0+a1b2c3, ")
+    assert pins.read_text() == "apex==0.1\ntransformer-engine==2.9.0+a1b2c3\ntransformer-engine-torch==2.9.0\n"
+    pth.unlink()
+    assert reuse(own) == "" and not pins.exists()
 
 
 def test_transformer_engine_version_range():

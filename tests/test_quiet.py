@@ -7,8 +7,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 KNOWN = ("Transformer Engine and Apex are not installed", "Apex is not installed", "full scope is deprecated",
-         "MimoModelConfig is experimental", "GPTModel IS DEPRECATED", "MCore's async save is deprecated",
-         "No CUDA runtime is found",
+         "absl.logging is not installed", "MimoModelConfig is experimental", "GPTModel IS DEPRECATED",
+         "MCore's async save is deprecated", "No CUDA runtime is found",
          "CUDA_DEVICE_MAX_CONNECTIONS")  # the last one once cpu_compat is enabled (CPU runs)
 
 
@@ -39,6 +39,9 @@ for name, prefix in LOG_RECORDS.items():
 CUDA_NOTICE = ("When using async grad allreduce it is recommended to set the environment variable "
                "CUDA_DEVICE_MAX_CONNECTIONS to 1 for maximum speedup")
 warnings.warn_explicit(CUDA_NOTICE, UserWarning, "layers.py", 1, module="megatron.core.tensor_parallel.layers")
+warnings.warn_explicit("absl.logging is not installed. Using logging.getLogger(__name__) instead. Please install "
+                       "absl.logging with `pip install absl-py` to use absl.logging.", UserWarning,
+                       "hyper_comm_grid.py", 20, module="megatron.core.hyper_comm_grid")  # a venv without absl-py
 cpu_compat.CHECKED_MEGATRON_CORE = "0.0"
 cpu_compat.enable()
 warnings.warn("a notice nobody listed")

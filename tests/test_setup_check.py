@@ -14,7 +14,10 @@ from stem_megatron import setup_check
 
 ROOT = Path(__file__).resolve().parents[1]
 LIBRARIES = {"study_arms.py"}  # imported by study.py and study_report.py, never run; stdlib only
-SCRIPTS = sorted(p for p in [*ROOT.glob("benchmarks/*.py"), *ROOT.glob("tools/*.py")] if p.name not in LIBRARIES)
+# builds an offline node's wheelhouse where pip reaches an index, by any Python with pip: it needs no project venv
+STANDALONE = {"wheelhouse.py"}
+SCRIPTS = sorted(p for p in [*ROOT.glob("benchmarks/*.py"), *ROOT.glob("tools/*.py")]
+                 if p.name not in LIBRARIES | STANDALONE)
 EXTRAS = {"eval": ["lm-eval"], "plots": ["matplotlib"], "dashboards": ["wandb-workspaces"],
           "slurm": ["hydra-submitit-launcher"]}
 # what the extras install, by the names of their site-packages entries (package, .dist-info)

@@ -5,10 +5,24 @@
 # STEM_DEVICE picks the torch build: cpu (no Transformer Engine), gpu (CUDA torch + TE compiled against it),
 # auto (default: gpu when nvidia-smi lists a GPU on the machine running this). On a cluster the login node has no
 # GPU: run it on a compute node, `srun -N1 --gpus-per-node=1 make setup STEM_DEVICE=gpu` (docs/gpu.md).
+#
+# A PYTHON that already has torch (an NGC container's, a prepared venv such as /opt/torch/.venv): the venv is made on
+# top of its packages and reuses its torch, Transformer Engine and Apex, pinned for every pip call, never installed.
+# WHEELHOUSE=DIR (built by `make wheelhouse` on a machine with a registry): installs offline, from DIR alone, the
+# core requirements and pytest (docs/gpu.md, Offline GPU nodes).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
 TORCH_VERSION=2.13.0
+WHEELHOUSE=${WHEELHOUSE:-}
+if [ -n "$WHEELHOUSE" ]; then
+  if [ ! -f "$WHEELHOUSE/wheelhouse.txt" ]; then
+    echo "error: WHEELHOUSE=$WHEELHOUSE holds no wheelhouse: build one with \`make wheelhouse WHEELHOUSE=DIR" \
+         "TARGET_FREEZE=FILE\` where pip reaches an index and carry DIR here (docs/gpu.md)" >&2
+    exit 2
+  fi
+  WHEELHOUSE=$(cd "$WHEELHOUSE" && pwd)
+fi
 
 # a Python >= 3.12 (megatron-core 0.19 needs it): $PYTHON, else python3.12/3.13/python3 on PATH, else one that pyenv
 # has installed but not selected (its python3.12 shim on PATH then refuses to run)
@@ -33,17 +47,17 @@ find_python() {
 case "${STEM_DEVICE:-auto}" in
   cpu|gpu) device=$STEM_DEVICE ;;
   auto) if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then device=gpu; else device=cpu; fi
-        if [ "$device" = cpu ] && [ ! -x "$VENV/bin/python" ] && command -v srun >/dev/null 2>&1; then
-          echo "note: no GPU on $(hostname), installing CPU torch; for GPU jobs set up on a compute node:" \
-               "srun -N1 --gpus-per-node=1 make setup STEM_DEVICE=gpu (docs/gpu.md)" >&2
-        fi ;;
+        ;;
   *) echo "error: STEM_DEVICE=$STEM_DEVICE: use auto, cpu or gpu" >&2; exit 2 ;;
 esac
 
-# the demo corpus's source; a node without apt-get (e.g. a RHEL cluster) skips the demo corpus
+# the demo corpus's source; a node without apt-get (e.g. a RHEL cluster), or offline, skips the demo corpus
 demo_corpus=true
 if [ ! -f data_cache/python-doc/READY ] && ! dpkg -s python3.11-doc >/dev/null 2>&1; then
-  if command -v apt-get >/dev/null 2>&1; then
+  if [ -n "$WHEELHOUSE" ]; then
+    echo "note: offline (WHEELHOUSE), no python3.11-doc: skipping the demo corpus (copy data_cache/python-doc here)" >&2
+    demo_corpus=false
+  elif command -v apt-get >/dev/null 2>&1; then
     SUDO=$([ "$(id -u)" = 0 ] && echo "" || echo sudo)
     $SUDO apt-get update -qq
     DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq python3.11-doc >/dev/null
@@ -60,10 +74,41 @@ if [ -x "$VENV/bin/python" ] && ! new_enough "$VENV/bin/python"; then
 fi
 if [ ! -x "$VENV/bin/python" ]; then
   python=$(find_python)
-  "$python" -m venv "$VENV"
+  if "$python" -s -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("torch") is None)' 2>/dev/null; then
+    "$python" -m venv --system-site-packages "$VENV"
+    # venvs do not chain: one made from a venv sees its base interpreter's packages, so a .pth names that venv's
+    own=$("$python" -c 'import site, sys; sys.prefix != sys.base_prefix and print("\n".join(site.getsitepackages()))')
+    site=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_path("purelib"))')
+    [ -z "$own" ] || echo "$own" > "$site/_stem_layered_on.pth"
+  else
+    if [ "${STEM_DEVICE:-auto}" = auto ] && [ "$device" = cpu ] && command -v srun >/dev/null 2>&1; then
+      echo "note: no GPU on $(hostname), installing CPU torch; for GPU jobs set up on a compute node:" \
+           "srun -N1 --gpus-per-node=1 make setup STEM_DEVICE=gpu (docs/gpu.md)" >&2
+    fi
+    "$python" -m venv "$VENV"
+  fi
+fi
+# what the venv reuses from the environment it was layered on (torch, TE, Apex), pinned: pip keeps them as they are
+constraints=$VENV/constraints.txt
+"$VENV/bin/python" -m stem_megatron.doctor.layered "$constraints"
+layered=false
+if [ -f "$constraints" ]; then
+  layered=true
+  # later pip calls in the venv keep them too (`pip install -e '.[eval]'`)
+  printf '[install]\nconstraint = %s\n' "$(cd "$VENV" && pwd)/constraints.txt" > "$VENV/pip.conf"
 fi
 PIP="$VENV/bin/pip --disable-pip-version-check -q"
-if [ "$device" = gpu ]; then
+index=(); [ -z "$WHEELHOUSE" ] || index=(--no-index --find-links "$WHEELHOUSE")
+pins=(); ! $layered || pins=(-c "$constraints")
+pip_install() { $PIP install "${index[@]}" "${pins[@]}" "$@"; }
+if [ -n "$WHEELHOUSE" ]; then
+  # offline: the core requirements and pytest, whatever the environment lacks coming from the wheelhouse (torch too
+  # where the environment has none); the editable build uses the setuptools there, as pip cannot fetch one
+  pip_install 'setuptools>=68'
+  pip_install --no-build-isolation -e '.[test]'
+elif $layered; then
+  pip_install -e '.[dev]'
+elif [ "$device" = gpu ]; then
   # CUDA torch, replacing a CPU build an earlier setup installed (pip counts 2.13.0+cpu as 2.13.0);
   # TORCH_INDEX_URL picks its CUDA version, e.g. https://download.pytorch.org/whl/cu126 for an older driver
   "$VENV/bin/python" -c 'import sys, torch; sys.exit(torch.version.cuda is None)' 2>/dev/null \

@@ -24,8 +24,11 @@ def _gib(n: int) -> str:
 
 
 def check_versions() -> tuple[str, str]:
-    names = ("torch", "megatron-core", "deepspeed", versions.TE)
-    found = ", ".join(f"{n} {versions.installed(n) or 'not installed'}" for n in names)
+    """torch / TE / Apex with where each comes from (the venv, or the environment it was layered on) and whether
+    it fits; megatron-core and DeepSpeed, which setup always installs into the venv, by version."""
+    torch_, te, *apex = versions.found()
+    others = [f"{name} {versions.installed(name) or 'not installed'}" for name in ("megatron-core", "deepspeed")]
+    found = ", ".join([torch_, *others, te, *apex])
     unmet = versions.unmet_requirements()
     if unmet:
         raise Broken(f"{'; '.join(unmet)} ({found}): run `make setup`")
