@@ -4,7 +4,7 @@ VENV ?= .venv
 export TORCH_EXTENSIONS_DIR ?= $(abspath $(VENV))/torch_extensions
 NPROC ?= 2
 
-.PHONY: setup demo test bench wheelhouse
+.PHONY: setup demo test bench wheelhouse gpu-check
 setup:
 	bash tools/setup.sh
 
@@ -26,3 +26,9 @@ test: setup
 
 bench: setup
 	$(VENV)/bin/python benchmarks/ffn_cost.py
+
+# on a GPU machine (set up first, offline with PYTHON=... WHEELHOUSE=DIR: docs/gpu.md): doctor, the gpu tests, the
+# 350M/1B step benchmark with its audits, and the figures against the GPU step's goals, all under OUT
+# (tools/gpu_check.py; BASELINE: an earlier run's gpu_step.json)
+gpu-check: setup
+	$(VENV)/bin/python tools/gpu_check.py $(if $(OUT),--out "$(OUT)") $(if $(BASELINE),--baseline "$(BASELINE)")

@@ -409,10 +409,10 @@ def main(argv=None) -> None:
         records += [r.__dict__ | {"vocab": vocab, "seq_length": seq, "global_batch": args.global_batch,
                                   "micro_batch": args.micro_batch or model.micro_batch, "nproc": args.nproc}
                     for r in results]
-    if args.json:
-        args.json.write_text(json.dumps({"date": str(datetime.date.today()), "machine": machine(gpu), "gpu": gpu,
-                                         "shapes": shapes_name, "steps": args.steps, "warmup": args.warmup,
-                                         "records": records}, indent=2) + "\n")
+        if args.json:  # after each model: a run stopped later keeps what it measured
+            args.json.write_text(json.dumps({"date": str(datetime.date.today()), "machine": machine(gpu), "gpu": gpu,
+                                             "shapes": shapes_name, "steps": args.steps, "warmup": args.warmup,
+                                             "records": records}, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -40,23 +40,22 @@ def test_gpu_training_with_host_tables_learns_and_prints_no_known_warning(gpu_en
 
 
 def test_pinned_staging_delivers_every_fetch_intact(gpu_env):
-    """Rows gathered into the pinned ring and copied on the side stream equal the host rows of their fetch, over
-    more fetches than the ring has buffers, with the host table changed after every fetch (a buffer reused while
-    its copy is in flight would deliver the next fetch's bytes)."""
+    """Rows gathered into the pinned staging slots and copied on the side stream equal the host rows of their fetch,
+    over more fetches than there are slots, with the host table changed after every fetch (a slot reused while its
+    copy is in flight would deliver the next fetch's bytes)."""
     script = """
 import torch
 from stem_megatron.host_tables.transfer import HostToDevice
-h2d = HostToDevice(torch.device("cuda", 0), staging_buffers=2)
+h2d = HostToDevice(torch.device("cuda", 0))
 table = torch.randn(4096, 256)
 fetched, expected = [], []
 for step in range(12):
     ids = torch.randint(0, 4096, (3000,))
-    with h2d.stream():
-        fetched.append(h2d.gather(table, ids))
-        ready = h2d.record()
+    with h2d.transfer() as send:
+        fetched.append(send.gather(table, ids))
     expected.append(table[ids].clone())
     table.add_(1.0)  # the host table moves on, as after an optimizer step
-torch.cuda.current_stream().wait_event(ready)
+torch.cuda.current_stream().wait_event(send.ready)
 assert all(torch.equal(f.cpu(), e) for f, e in zip(fetched, expected))
 print("intact")
 """
@@ -64,29 +63,77 @@ print("intact")
     assert proc.returncode == 0 and "intact" in proc.stdout, proc.stdout + proc.stderr
 
 
+def test_two_threads_fetching_through_one_store_get_the_host_rows(gpu_env):
+    """Issue 30, finding 2, on real streams: two threads (training's and validation's prefetchers) fetch 10 layers'
+    rows at 350M widths through one HostToDevice at once; every fetch equals the host's rows."""
+    script = """
+import threading, torch
+from stem_megatron.host_tables.transfer import HostToDevice
+device = torch.device("cuda", 0)
+h2d = HostToDevice(device)
+tables = [torch.randn(32000, 2560) for _ in range(10)]
+wrong, done = [], []
+def fetch(seed):
+    torch.cuda.set_device(device)
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(20):
+        ids = torch.randint(0, 32000, (3500,), generator=g).unique()
+        with h2d.transfer() as send:
+            rows = [send.gather(t, ids) for t in tables]
+        send.ready.synchronize()
+        wrong.extend(i for i, (t, r) in enumerate(zip(tables, rows)) if not torch.equal(r.cpu(), t[ids]))
+        done.append(1)
+threads = [threading.Thread(target=fetch, args=(seed,)) for seed in (1, 2)]
+for t in threads: t.start()
+for t in threads: t.join()
+assert len(done) == 40 and not wrong, (len(done), len(wrong))
+print("intact")
+"""
+    proc = _run(["-c", script], gpu_env(), timeout=600)
+    assert proc.returncode == 0 and "intact" in proc.stdout, proc.stdout + proc.stderr
+
+
 def test_row_gradients_land_on_the_host_intact(gpu_env):
-    """Row gradients copied into the pinned landing buffers on the side stream equal the device tensors they
-    came from once their event has fired, with the device tensors freed and overwritten right after the copy
-    is issued (the copy must hold them) and each key's buffer reused every other step, as CPU Adam reads the
-    last step's while this one's land."""
+    """Row gradients copied into a layer's pinned landing buffer (reserved before the first step) on the side stream
+    equal the device tensors they came from once their event has fired, with the device tensors freed and
+    overwritten right after the copy is issued (the copy must hold them); the buffer is the reserved one every step."""
     script = """
 import torch
-from stem_megatron.host_tables.transfer import DeviceToHost, landed
+from stem_megatron.host_tables.pinned import DeviceToHost, landed
 d2h = DeviceToHost(torch.device("cuda", 0))
-kept = {}
+d2h.reserve(1, 3000 * 256 * 4)
+reserved = None
 for step in range(8):
-    grads = torch.randn(3000 - step, 256, device="cuda")  # no larger than the first: the buffer is reused
+    grads = torch.randn(3000 - step, 256, device="cuda")  # no larger than reserved: the buffer is reused
     expected = grads.cpu()
-    host, event = d2h.copy(grads, (1, step % 2))
+    host, event = d2h.copy(grads, 1)
     del grads
     torch.randn(4096, 256, device="cuda").mul_(2)  # the freed memory is taken again on the compute stream
     landed(event)
     assert torch.equal(host, expected), step
-    if step % 2 in kept:
-        assert host.data_ptr() == kept[step % 2]  # the key's buffer, reused
-    kept[step % 2] = host.data_ptr()
-    assert host.is_pinned()
+    reserved = reserved or host.data_ptr()
+    assert host.data_ptr() == reserved and host.is_pinned()
 print("landed")
 """
     proc = _run(["-c", script], gpu_env(), timeout=600)
     assert proc.returncode == 0 and "landed" in proc.stdout, proc.stdout + proc.stderr
+
+
+def test_an_audited_host_table_step_with_validation_beside_it(gpu_env, tmp_path):
+    """The demo model with host tables on one GPU, validation after every step (its prefetcher fetches while
+    training's does), step 3 audited: the run learns, validates every step, and writes both audits, the sync
+    audit counting by thread and call site and the collective audit finding one order."""
+    proc = _run(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1", "-m", "stem_megatron.train",
+                 "parallel=single", "stem.placement=host", "train.steps=5", "train.eval_interval=1",
+                 "train.eval_iters=1", "logging.sync_audit=3", "logging.collective_audit=3",
+                 "checkpoint.resume=false", "checkpoint.save=false", f"data.dir={DEMO}", f"out_dir={tmp_path}"],
+                gpu_env())
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert len(records) == 5 and all(math.isfinite(r["valid_loss"]) for r in records), records
+    assert records[-1]["loss"] < records[0]["loss"]
+    sync = (tmp_path / "sync_audit_step3_rank0.txt").read_text().splitlines()
+    assert sync[0].startswith("step 3, rank 0: ") and sync[0].endswith(" synchronising CUDA calls"), sync
+    assert "sync audit, step 3: " in proc.stdout, proc.stdout
+    audit = json.loads((tmp_path / "collective_audit_step3.json").read_text())
+    assert audit["divergence"] is None and audit["summary"] in proc.stdout

@@ -6,10 +6,10 @@ pipeline stage with ranks on the node and each STEM layer of that stage, the nod
 the rows the node owns (2 x ``[tp, owned, d_ff/tp]``, owned = the node's range of ``RowOwnership``, ~V/N over
 the N nodes its DP group spans), with bf16 copies also their fp32 master rows (``[tp, owned, d_ff/tp]``):
 exactly the files ``node.shared_tensors`` creates. Per rank: the process (python, torch, megatron, DeepSpeed's
-op, gloo, datasets; measured), the row gradients CPU Adam reads, and on GPU the pinned buffers fetched rows
-pass through (two micro-batches' rows in bf16: one being copied, the next being gathered) and the two steps'
-landing buffers of the row gradients (the step's, and the last one's that CPU Adam may still read). The
-dense model has no host copy.
+op, gloo, datasets; measured), the row gradients CPU Adam reads, and on GPU the pinned memory the store reserves
+before step 1 (``host_tables/pinned.py``, the same functions): the staging slots fetched rows pass through (two
+fetches' rows, in bf16, and their indices) and one landing buffer per layer for the row gradients the rank updates,
+both at the ids' bound. The dense model has no host copy.
 
 Device, per GPU (per rank on CPU, where it is host memory too): dense parameters (bf16 on GPU, fp32 on CPU),
 their fp32 gradient buffer (``grad_reduce_in_fp32``), megatron's Adam state (fp32 main parameters on GPU and 2
@@ -32,6 +32,8 @@ from typing import Optional
 from stem_megatron.config import ConfigError, RunConfig, validate_layout
 from stem_megatron.flops.arch import FlopsError
 from stem_megatron.flops.variants import FFN_MATMULS
+from stem_megatron.host_tables.ownership import RowOwnership
+from stem_megatron.host_tables.pinned import STAGING_SLOTS, landing_rows, staging_bytes
 from stem_megatron.layer_plan import planned_layers
 
 FP32, GIB = 4, 2**30
@@ -212,8 +214,6 @@ def _node_stages(layout: Layout, node: int) -> list[tuple[int, int, int, int]]:
 def node_shared_bytes(cfg: RunConfig, layout: Layout, node: int) -> dict[str, int]:
     """Bytes of the node-shared files of ``node`` (``node.shared_tensors``): table copies, and the owned rows'
     moments (and fp32 masters, with bf16 copies)."""
-    from stem_megatron.host_tables.ownership import RowOwnership
-
     V, row = cfg.model.vocab_size, cfg.model.ffn_hidden_size // layout.tp * FP32
     bf16 = cfg.stem.read_dtype == "bf16"
     out = {"tables": 0, "masters": 0, "moments": 0}
@@ -263,17 +263,21 @@ def plan(cfg: RunConfig, layout: Layout, distinct_ids: Optional[int] = None) -> 
     nodes = []
     for n in range(layout.nodes):
         ranks = dict.fromkeys(("process", "adam_gradients", "pinned_rows", "device_parts"), 0)
-        for stage, _, dp_nodes, peers in _node_stages(layout, n):
+        for stage, dp_node, dp_nodes, peers in _node_stages(layout, n):
             layers, count = len(stages[stage]["stem_layers"]), peers * layout.tp  # the stage's ranks here
             mine = math.ceil(V / (dp_nodes * peers))  # rows one rank updates: its share of its node's
             touched = min(mine, math.ceil(micro * dp * uniq / (dp_nodes * peers)))
             grads = layers * touched * (row + 8) + (mine * row if s.optimizer == "dense" and layers else 0)
             ranks["process"] += count * PROCESS_BYTES
             ranks["adam_gradients"] += count * grads
-            # pinned staging of a micro-batch's rows in flight and of the next (bf16: the compute precision), and
-            # the landing buffers of the row gradients a rank updates, two steps' worth (transfer.DeviceToHost)
-            wire_row = min(copy_row, row // 2)
-            ranks["pinned_rows"] += count * layers * (2 * uniq * wire_row + 2 * touched * (row + 8)) * gpu
+            if gpu and layers:  # what the store reserves before step 1 (host_tables/pinned.py), at the ids' bound
+                tokens = t.micro_batch_size * m.seq_length
+                slot = staging_bytes(layers, min(V, tokens), row // FP32, min(copy_row, row // 2) * FP32 // row,
+                                     tokens)
+                step_ids = dp * min(V, micro * tokens)
+                landing = sum(landing_rows(RowOwnership(V, dp_nodes, dp_node, peers, peer), step_ids)
+                              for peer in range(peers)) * layout.tp * layers * row
+                ranks["pinned_rows"] += count * STAGING_SLOTS * slot + landing
             ranks["device_parts"] += count * stages[stage]["device_total"] * (not gpu)
         ranks["process"] += LIBRARY_BYTES
         shared = node_shared_bytes(cfg, layout, n)
