@@ -36,6 +36,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from stem_megatron.setup_check import require_environment  # noqa: E402
 
+require_environment()  # another Python gets `make setup`, not a traceback
+
 AUDIT_STEP = 3
 VARIANTS = ("dense", "stem_1_3_host_lazy", "stem_full_host", "stem_1_3_device")
 AUDITED = ("350M", "stem_1_3_host_lazy")  # the run whose audits the folder keeps
@@ -135,7 +137,6 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=6, help="steps per gpu_step run (default 6)")
     ap.add_argument("--warmup", type=int, default=AUDIT_STEP, help="steps left out of the timings (default 3)")
     args = ap.parse_args(argv)
-    require_environment()
     from stem_megatron.doctor.cuda import nvidia_smi_gpus
 
     if not nvidia_smi_gpus():
