@@ -6,7 +6,7 @@ STEM-1/3, 2 micro-batches per rank and step, trained on documents whose token id
 vocabulary would hide the exchange's cost, which grows with distinct ids). Runs alternate off / on for
 ``--rounds``; per setting the median over the runs' steps (the first ``--skip`` left out) of the step
 time, the time the step waited for the exchange (``stem_exchange_wait_s``) and the time the exchange
-itself took (``stem_exchange_s``, on the exchange thread when overlapped), and whether both settings
+itself took (``stem_exchange_s``, inside backward when overlapped), and whether both settings
 produced the same losses bit for bit.
 
 Run: ``.venv/bin/python benchmarks/exchange_overlap.py [--rounds 2] [--steps 15] [--json out.json]``
