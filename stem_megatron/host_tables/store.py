@@ -120,9 +120,8 @@ class HostTableStore:
         travel = travel_dtype(self.read_dtype, compute_dtype).itemsize
         rows = min(vocab_size, micro_batch_tokens)  # distinct ids of a micro-batch, at most
         step_ids = dist.get_world_size(self.dp_group) * min(vocab_size, micro_batches * micro_batch_tokens)
-        self.h2d = HostToDevice(self.device, dtype=compute_dtype,
-                                slot_bytes=rows and staging_bytes(len(self.layers), rows, self.cols, travel,
-                                                                  micro_batch_tokens))
+        slot_bytes = staging_bytes(len(self.layers), rows, self.cols, travel, micro_batch_tokens) if rows else 0
+        self.h2d = HostToDevice(self.device, dtype=compute_dtype, slot_bytes=slot_bytes)
         self._row_bytes = self.cols * travel  # as rows travel
         self.steps_done = 0
         self.grads = RowGradients(self.layers, self.cols, self.exchange, self.dp_group, self.device, overlap,
