@@ -35,6 +35,7 @@ require_environment()  # before torch and megatron: another Python gets `make se
 
 import torch  # noqa: E402
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: E402
+from megatron.core.process_groups_config import ProcessGroupCollection  # noqa: E402
 from megatron.core.transformer.spec_utils import build_module  # noqa: E402
 from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
 
@@ -80,8 +81,10 @@ def mlp_flops(mlp, tokens: torch.Tensor) -> dict:
 def ffn_flops() -> dict:
     """Matmul FLOPs per token of one dense and one STEM MLP; asserts STEM/dense == 2/3 exactly."""
     config = transformer_config(MODEL, ParallelConfig(), on_gpu=False)
-    dense = build_module(get_gpt_layer_local_spec(normalization="RMSNorm").submodules.mlp, config=config,
-                         ffn_hidden_size=MODEL.ffn_hidden_size)
+    # megatron-core 0.19's local layer spec gives the dense MLP as the factory its TransformerLayer calls
+    dense = get_gpt_layer_local_spec(normalization="RMSNorm").submodules.mlp(
+        config=config, pg_collection=ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp"]),
+        is_mtp_layer=False, ffn_hidden_size=MODEL.ffn_hidden_size)
     stem = build_module(stem_mlp_spec("stem", MODEL.vocab_size), config=config)
     tokens = torch.randint(0, MODEL.vocab_size, (MICRO_BATCH, MODEL.seq_length))
     result = {"dense": mlp_flops(dense, tokens), "stem": mlp_flops(stem, tokens)}

@@ -133,3 +133,21 @@ def test_a_sync_audit_needs_a_gpu():
     cfg.stem.placement, cfg.logging.sync_audit = "device", 2
     with pytest.raises(ConfigError, match=r"logging\.sync_audit.*no GPU"):
         validate(cfg, 1)
+
+
+@pytest.mark.slow
+def test_make_bench_counts_two_thirds_of_the_ffn_flops():
+    """`make bench` (benchmarks/ffn_cost.py) on megatron-core 0.19, whose local layer spec gives the dense MLP as a
+    factory: one STEM FFN's matmul FLOPs are exactly 2/3 of the dense one's (the script asserts it), and each whole
+    model saves exactly that third of an FFN per replaced layer (6 layers: 2 at ratio 1/3, all but the first at
+    full)."""
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, "benchmarks/ffn_cost.py", "--steps", "2", "--warmup", "1", "--json"],
+                          capture_output=True, text=True, cwd=root, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout[proc.stdout.index("{"):])
+    assert out["ffn"]["ratio_fwd"] == out["ffn"]["ratio_fwd_bwd"] == "2/3"
+    assert out["ffn"]["stem"]["fwd"] * 3 == out["ffn"]["dense"]["fwd"] * 2
+    saved = out["ffn"]["dense"]["fwd_bwd"] - out["ffn"]["stem"]["fwd_bwd"]
+    flops = {name: m["flops_per_token"] for name, m in out["model"].items()}
+    assert flops["dense"] - flops["stem-1/3"] == 2 * saved and flops["dense"] - flops["stem-full"] == 5 * saved
