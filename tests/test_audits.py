@@ -51,3 +51,46 @@ def test_a_synchronising_call_is_charged_to_our_innermost_frame_and_the_torch_fu
     assert call_site(stack) == "stem_megatron/host_tables/exchange.py:147 (torch/_tensor.py:99)"
     assert call_site(traceback.StackSummary.from_list(list(stack)[:2])) == "stem_megatron/host_tables/exchange.py:147"
     assert call_site(traceback.StackSummary.from_list(list(stack)[2:])) == "torch/_tensor.py:99"
+
+
+def _sync_audit_of_two_threads(out_dir):
+    """``sync_audit.audited`` with torch's CUDA calls stood in for (no GPU here) and the sync debug mode's warning
+    raised by hand: 3 times on this thread, twice on a thread of its own, once a warning of another kind."""
+    import threading
+    import warnings
+
+    import torch
+
+    from stem_megatron.training import sync_audit
+
+    modes = []
+    torch.cuda.synchronize = lambda: None
+    torch.cuda.set_sync_debug_mode = modes.append
+    shown = []
+    warnings.showwarning = lambda message, *args, **kwargs: shown.append(str(message))
+
+    def synchronise(times):
+        for _ in range(times):
+            warnings.warn("called a synchronizing CUDA operation", UserWarning)
+
+    with sync_audit.audited(True, str(out_dir), 3):
+        synchronise(3)
+        side = threading.Thread(target=synchronise, args=(2,), name="stem-prefetch")
+        side.start()
+        side.join()
+        warnings.warn("something else", UserWarning)
+    synchronise(1)  # after the step: not counted, shown as before
+    return modes, shown, (out_dir / "sync_audit_step3_rank0.txt").read_text()
+
+
+def test_the_sync_audit_counts_each_thread_s_synchronising_calls_of_the_step_only(tmp_path):
+    import distributed
+
+    modes, shown, report = distributed.run(_sync_audit_of_two_threads, 1, tmp_path)[0]
+    assert modes == ["warn", 0]
+    assert shown == ["something else", "called a synchronizing CUDA operation"]
+    lines = report.splitlines()
+    assert lines[0] == "step 3, rank 0: 5 synchronising CUDA calls"
+    counts = {(line.split()[1], line.split()[0]) for line in lines[2:]}
+    assert counts == {("MainThread", "3"), ("stem-prefetch", "2")}, report
+    assert all("tests/test_audits.py" in line for line in lines[2:]), report

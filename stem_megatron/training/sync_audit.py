@@ -56,7 +56,8 @@ def audited(enabled: bool, out_dir: str, step: int) -> Iterator[None]:
     def show(message, category, filename, lineno, file=None, line=None):
         if MESSAGE not in str(message):
             return shown(message, category, filename, lineno, file, line)
-        where = call_site(traceback.extract_stack()[:-1])
+        stack = [f for f in traceback.extract_stack()[:-1] if f.filename != warnings.__file__]  # the warn machinery
+        where = call_site(traceback.StackSummary.from_list(stack))
         with lock:
             counts[threading.current_thread().name, where] += 1
 
