@@ -244,8 +244,8 @@ def test_resume_with_a_fused_adam_optimizer(tmp_path):
 
 # ------------------------------------------------------------------------------ host-table path
 class RecordingHostToDevice:
-    """``HostToDevice`` on the CPU that logs the calls which order GPU work (the side stream, the cache
-    event), so their order is checked where no stream exists."""
+    """``HostToDevice`` on the CPU that logs the calls which order GPU work (transfers on the side stream), so
+    their order is checked where no stream exists."""
 
     def __init__(self, log):
         from stem_megatron.host_tables.transfer import HostToDevice
@@ -256,9 +256,6 @@ class RecordingHostToDevice:
     def transfer(self):
         self.log.append("side stream")
         return RecordingTransfer(self.log, self.inner.transfer())
-
-    def cache_written(self):
-        self.log.append("cache written")
 
 
 class RecordingTransfer:
@@ -272,9 +269,6 @@ class RecordingTransfer:
     def __exit__(self, *exc):
         self.ready = None
         return self.inner.__exit__(*exc)
-
-    def after_cache(self):
-        self.log.append("side stream waits for the cache")
 
     def copy(self, tensor):
         self.log.append("copy")
@@ -304,14 +298,15 @@ def _cache_ordering():
 
 @pytest.mark.slow
 def test_cache_refresh_is_ordered_before_the_prefetcher_is_released():
-    """Finding 5: the hot-row cache is written on the training stream and read on the fetch's side stream;
-    after a step the rows are made current, the cache re-read from them and the writes marked (an event on
-    GPU) before the step returns (and the training step releases the prefetcher); a fetch that reads
-    cached rows makes its side stream wait for that mark before any copy."""
+    """After a step the rows are made current, then the hot-row cache is re-read from them through a transfer
+    (pinned staging, the side stream: no synchronous copy), before the step returns and the training step
+    releases the prefetcher; the next fetch reads the cached rows on that same side stream, so after the reload
+    in issue order, and gets the current rows."""
     log, rows_ok = distributed.run(_cache_ordering, 1)[0]
-    released = log.index("step returned: the prefetcher is released")
-    assert log[released - 3:released] == ["rows made current", "cache reload", "cache written"], log
-    assert log[released + 1:released + 3] == ["side stream", "side stream waits for the cache"], log
+    released, reload = log.index("step returned: the prefetcher is released"), log.index("cache reload")
+    assert log[reload - 1] == "rows made current", log
+    assert log[reload + 1:released] == ["side stream", "gather"], log  # the one layer's rows, staged and sent
+    assert log[released + 1] == "side stream", log
     assert rows_ok
 
 
@@ -354,15 +349,6 @@ class LateCopies:
         self._work.put(done.set)
         return done
 
-    @staticmethod
-    def mark():
-        done = _Done()
-        done.set()
-        return done
-
-    def side_waits(self, event):
-        self._work.put(event.wait)
-
 
 def test_a_staging_slot_is_handed_out_again_only_after_its_copies_and_grows_when_too_small():
     """GPU staging: a fetch's rows are gathered into a pinned slot of its own, reserved before the first step, and
@@ -394,6 +380,25 @@ def test_a_staging_slot_is_handed_out_again_only_after_its_copies_and_grows_when
     with h2d.transfer() as send:
         send.gather(table, torch.arange(40))
     assert len(copies.allocations) == 4
+
+
+def test_rows_narrowed_on_the_way_pass_through_one_reused_scratch(monkeypatch):
+    """Rows that travel in a narrower dtype than the table's (fp32 tables, bf16 model) are gathered a few rows at
+    a time into the fetching thread's scratch and cast into the staging slot from there, never through a
+    temporary of the whole fetch: the same bytes as ``table[ids].to(bf16)``, whatever the fetch's size."""
+    from stem_megatron.host_tables import transfer
+
+    monkeypatch.setattr(transfer, "SCRATCH_BYTES", 3 * 8 * 4)  # three rows a pass
+    h2d = transfer.HostToDevice(torch.device("cpu"), dtype=torch.bfloat16, slot_bytes=0, copies=LateCopies())
+    table = torch.randn(50, 8)
+    scratch = h2d.scratch((8,), torch.float32)
+    for n in (1, 3, 7, 50):
+        ids = torch.randperm(50)[:n]
+        with h2d.transfer() as send:
+            got = send.gather(table, ids)
+        send.ready.synchronize()
+        assert got.dtype == torch.bfloat16 and torch.equal(got, table[ids].to(torch.bfloat16)), n
+    assert scratch.shape == (3, 8) and h2d.scratch((8,), torch.float32).data_ptr() == scratch.data_ptr()
 
 
 def _two_prefetchers(steps: int):

@@ -33,7 +33,7 @@ from stem_megatron.config import ConfigError, RunConfig, validate_layout
 from stem_megatron.flops.arch import FlopsError
 from stem_megatron.flops.variants import FFN_MATMULS
 from stem_megatron.host_tables.ownership import RowOwnership
-from stem_megatron.host_tables.pinned import STAGING_SLOTS, landing_rows, staging_bytes
+from stem_megatron.host_tables.pinned import STAGING_SLOTS, cache_staging_bytes, landing_rows, staging_bytes
 from stem_megatron.layer_plan import planned_layers
 
 FP32, GIB = 4, 2**30
@@ -234,7 +234,8 @@ def plan(cfg: RunConfig, layout: Layout, distinct_ids: Optional[int] = None) -> 
     micro = t.global_batch_size // (t.micro_batch_size * dp)
     uniq = min(V, distinct_ids or t.micro_batch_size * m.seq_length)
     step_uniq = min(V, micro * uniq)  # distinct ids of a step (one DP rank's micro-batches)
-    copy_row = row // (2 if s.read_dtype == "bf16" else 1)  # a row of the host copies, the cache and staging
+    copy_row = row // (2 if s.read_dtype == "bf16" else 1)  # a row of the host copies
+    travel_row = min(copy_row, row // 2) if gpu else copy_row  # a row as it travels (bf16 on GPU): staging, cache
     stages = []
     for p in range(layout.pp):
         params, experts = rank_parameters(cfg, layout, p)
@@ -247,7 +248,7 @@ def plan(cfg: RunConfig, layout: Layout, distinct_ids: Optional[int] = None) -> 
             "parameters": params * (2 if gpu else FP32),
             "gradients": params * FP32,
             "optimizer": int(state * sharded),
-            "hot_row_cache": layers * min(s.cache_rows, V) * copy_row,
+            "hot_row_cache": layers * min(s.cache_rows, V) * travel_row,
             # the step's merged row gradients (one buffer a layer over its distinct ids), the fp32 rows of the
             # micro-batches in flight and queued by the prefetcher, one micro-batch's gradient being merged and
             # one layer's exchange (step_pipeline.RowGradients)
@@ -272,8 +273,9 @@ def plan(cfg: RunConfig, layout: Layout, distinct_ids: Optional[int] = None) -> 
             ranks["adam_gradients"] += count * grads
             if gpu and layers:  # what the store reserves before step 1 (host_tables/pinned.py), at the ids' bound
                 tokens = t.micro_batch_size * m.seq_length
-                slot = staging_bytes(layers, min(V, tokens), row // FP32, min(copy_row, row // 2) * FP32 // row,
-                                     tokens)
+                cols, itemsize = row // FP32, travel_row * FP32 // row
+                slot = max(staging_bytes(layers, min(V, tokens), cols, itemsize, tokens),
+                           cache_staging_bytes(min(s.cache_rows, V), cols, itemsize))
                 step_ids = dp * min(V, micro * tokens)
                 landing = sum(landing_rows(RowOwnership(V, dp_nodes, dp_node, peers, peer), step_ids)
                               for peer in range(peers)) * layout.tp * layers * row

@@ -3,7 +3,9 @@
 Paper §3.1.1: the memory freed by dropping ``W_u`` can hold the hottest rows (token frequencies are
 Zipfian, so a few thousand rows cover most lookups). Rows are chosen from the token counts seen so
 far, re-chosen every ``refresh_every`` steps, and re-read after every step (the hottest rows are touched,
-so updated, by nearly every step), so a cached row is never stale.
+so updated, by nearly every step), so a cached row is never stale. They are re-read as fetched rows are, through
+a fetch's pinned staging on the side stream (``transfer.HostToDevice``), where the fetches that read them run:
+no synchronous copy, and no event between streams.
 """
 
 from __future__ import annotations
@@ -41,10 +43,13 @@ class HotRowCache:
         self.ids = torch.sort(torch.topk(self.counts, self.capacity).indices).values
         return True
 
-    def reload(self, tables: dict[int, torch.Tensor], at=None) -> None:
-        """Copy the held rows from the (current) host tables after a step, which updated nearly all of them;
+    def reload(self, tables: dict[int, torch.Tensor], h2d, at=None) -> None:
+        """Copy the held rows from the (current) host tables after a step, which updated nearly all of them,
+        through ``h2d`` (a ``transfer.HostToDevice``: a layer a transfer, in the precision rows travel in);
         ``at`` maps ids to table rows (default: row = id)."""
+        if not self.ids.numel():
+            return
         rows_at = self.ids if at is None else at(self.ids)
         for layer, table in tables.items():
-            if self.ids.numel():
-                self.rows[layer] = table.index_select(0, rows_at).to(self.device)
+            with h2d.transfer() as send:
+                self.rows[layer] = send.gather(table, rows_at)

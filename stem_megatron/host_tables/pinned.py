@@ -49,15 +49,6 @@ class CudaCopies:
         event.record(self.side)
         return event
 
-    @staticmethod
-    def mark() -> torch.cuda.Event:
-        """An event at the current stream's end (the training stream's writes the side stream must wait for)."""
-        event = torch.cuda.Event()
-        event.record()
-        return event
-
-    def side_waits(self, event: torch.cuda.Event) -> None:
-        self.side.wait_event(event)
 
 
 class _Slot:
@@ -146,6 +137,11 @@ def staging_bytes(layers: int, rows: int, cols: int, itemsize: int, tokens: int)
     tokens)) of every layer's ``cols`` in ``itemsize`` bytes, the inverse index of its ``tokens``, the ids'
     positions in their step and, with a hot-row cache, the hits' and misses' positions (int64), each aligned."""
     return layers * rows * cols * itemsize + (tokens + 4 * rows) * 8 + (layers + 5) * ALIGN
+
+
+def cache_staging_bytes(rows: int, cols: int, itemsize: int) -> int:
+    """The pinned bytes a hot-row cache reload stages at once: one layer's ``rows`` (``HotRowCache.reload``)."""
+    return staging_bytes(1, rows, cols, itemsize, 0) if rows else 0
 
 
 def landing_rows(ownership: RowOwnership, step_ids: int) -> int:

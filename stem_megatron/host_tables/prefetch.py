@@ -19,7 +19,7 @@ from typing import Iterator
 import torch
 
 from stem_megatron.data.integrity import check_token_ids
-from stem_megatron.host_tables.store import HostTableStore
+from stem_megatron.host_tables.store import HostTableStore, host_threads
 
 
 class _Failed:
@@ -40,12 +40,13 @@ class RowPrefetcher:
         self._released = threading.Semaphore(0)
         self._ended = False
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._work, args=(data, num_micro_batches), name="stem-prefetch",
-                                        daemon=True)
+        self._thread = threading.Thread(target=self._work, args=(data, num_micro_batches, host_threads(store.device)),
+                                        name="stem-prefetch", daemon=True)
         self._thread.start()
 
-    def _work(self, data, num_micro_batches) -> None:
+    def _work(self, data, num_micro_batches, threads: int) -> None:
         try:
+            torch.set_num_threads(threads)  # gathers and unique run on this thread's own OpenMP team
             if self.store.device.type == "cuda":  # a new thread starts on GPU 0: use this rank's device
                 torch.cuda.set_device(self.store.device)
             step: list[dict] = []

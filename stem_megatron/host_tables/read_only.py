@@ -94,8 +94,7 @@ class ReadOnlyHostTables:
     def refresh_cache(self, step: int) -> None:
         """After forward ``step`` (1-based): re-choose the cached rows from the counts when due."""
         if self.cache.choose(step):
-            self.cache.reload(self.tables)
-            self.h2d.cache_written()
+            self.cache.reload(self.tables, self.h2d)
 
     def register(self, layer: int, uniq: torch.Tensor, rows: torch.Tensor) -> None:
         raise RuntimeError("ReadOnlyHostTables serve inference only: run the model under torch.no_grad() "

@@ -39,7 +39,7 @@ from stem_megatron.host_tables.cache import HotRowCache
 from stem_megatron.host_tables.exchange import DTYPES, RowExchange
 from stem_megatron.host_tables.node import SHM_DIR, node_layout, shared_tensors
 from stem_megatron.host_tables.ownership import RowOwnership
-from stem_megatron.host_tables.pinned import landed, landing_rows, staging_bytes
+from stem_megatron.host_tables.pinned import cache_staging_bytes, landed, landing_rows, staging_bytes
 from stem_megatron.host_tables.row_adam import RowAdam
 from stem_megatron.host_tables.step_pipeline import RowGradients, RowUpdates
 from stem_megatron.host_tables.transfer import HostToDevice, PrefetchedRows, fetch_rows, travel_dtype
@@ -120,13 +120,14 @@ class HostTableStore:
         travel = travel_dtype(self.read_dtype, compute_dtype).itemsize
         rows = min(vocab_size, micro_batch_tokens)  # distinct ids of a micro-batch, at most
         step_ids = dist.get_world_size(self.dp_group) * min(vocab_size, micro_batches * micro_batch_tokens)
-        slot_bytes = staging_bytes(len(self.layers), rows, self.cols, travel, micro_batch_tokens) if rows else 0
+        slot_bytes = max(staging_bytes(len(self.layers), rows, self.cols, travel, micro_batch_tokens) if rows else 0,
+                         cache_staging_bytes(self.cache.capacity, self.cols, travel))
         self.h2d = HostToDevice(self.device, dtype=compute_dtype, slot_bytes=slot_bytes)
         self._row_bytes = self.cols * travel  # as rows travel
         self.steps_done = 0
         self.grads = RowGradients(self.layers, self.cols, self.exchange, self.dp_group, self.device, overlap,
                                   landing_rows=landing_rows(self.own, step_ids))
-        self.updates = RowUpdates(overlap_update, adam_threads(self.device))
+        self.updates = RowUpdates(overlap_update, host_threads(self.device))
         self._grads: dict = {}  # layer -> (ids, gradients, copy event) of the step, on the host
         self._stats = self._new_stats()
 
@@ -331,10 +332,9 @@ class HostTableStore:
         dist.barrier(self.node.group)  # every peer's pulled rows are in the node's copy before anyone reads
 
     def _reload_cache(self) -> None:
-        """Re-read the hot rows (the step changed nearly all of them) and order the writes before the next
-        fetch (``HostToDevice.cache_written``)."""
-        self.cache.reload(self.weight, self.own.position)
-        self.h2d.cache_written()
+        """Re-read the hot rows (the step changed nearly all of them), on the side stream the next fetch reads
+        them on."""
+        self.cache.reload(self.weight, self.h2d, self.own.position)
 
     # ---- metrics ----
     @staticmethod
@@ -364,10 +364,12 @@ class HostTableStore:
         return out
 
 
-def adam_threads(device: torch.device) -> int:
-    """OpenMP threads of this rank's CPU Adam: on GPU the node's cores shared by its ranks (ranks x threads =
-    cores; the training thread mostly waits on the device), on CPU the training thread's count (the
-    launcher's cores / ranks, as compute needs them too)."""
+def host_threads(device: torch.device) -> int:
+    """OpenMP threads of each of this rank's host threads (CPU Adam, the row prefetch), set by each thread for
+    itself: a new thread otherwise runs with OpenMP's default, one thread under torchrun. On GPU the node's cores
+    shared by its ranks (ranks x threads = cores; the training thread mostly waits on the device, and the prefetch
+    and Adam threads work at different times of the step), on CPU the training thread's count (the launcher's
+    cores / ranks, as compute needs them too). Call it on the training thread."""
     if device.type != "cuda":
         return torch.get_num_threads()
     return max(1, len(os.sched_getaffinity(0)) // int(os.environ.get("LOCAL_WORLD_SIZE", 1)))

@@ -17,6 +17,8 @@ side stream that the CPU optimizer's thread waits for, never the training thread
 from __future__ import annotations
 
 import contextlib
+import math
+import threading
 from dataclasses import dataclass
 from typing import Callable, Iterator, Mapping, Optional
 
@@ -24,6 +26,8 @@ import torch
 
 from stem_megatron.data.integrity import check_token_ids
 from stem_megatron.host_tables.pinned import CudaCopies, StagingPool
+
+SCRATCH_BYTES = 4 << 20  # a fetching thread's reused buffer for rows narrowed on the way (fits in L2/L3)
 
 
 @dataclass
@@ -59,9 +63,8 @@ class HostToDevice:
     nothing on CPU. Each fetch's copies go through ``transfer()``, which gives the fetch a staging slot of its
     own, so fetches on several threads never share bytes.
 
-    The hot-row cache is written on the training stream (after an optimizer step) and read on the side
-    stream (by the next fetch): ``cache_written`` marks the end of the writes with an event that a
-    transfer's ``after_cache`` makes the side stream wait for, so a fetch never reads rows from before the step.
+    The hot-row cache is reloaded through transfers too (``cache.HotRowCache.reload``), so its rows are written
+    and read on the side stream alone, in issue order: a fetch never reads cached rows from before the step.
     """
 
     def __init__(self, device: torch.device, dtype: Optional[torch.dtype] = None, slot_bytes: int = 0, copies=None):
@@ -71,12 +74,16 @@ class HostToDevice:
         self.device, self.dtype = device, dtype
         self.copies = copies if copies is not None else CudaCopies(device) if device.type == "cuda" else None
         self.staging = StagingPool(self.copies, slot_bytes) if self.copies is not None else None
-        self.cache_event = None  # the end of the last hot-row cache writes (GPU)
+        self._scratch = threading.local()  # per fetching thread: see ``Transfer.gather``
 
-    def cache_written(self) -> None:
-        """Call after writing the hot-row cache on the current stream, before publishing the new rows."""
-        if self.copies is not None:
-            self.cache_event = self.copies.mark()
+    def scratch(self, row_shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """This thread's reused buffer of whole rows (at least one) of ``row_shape`` in ``dtype``."""
+        row_bytes = max(1, math.prod(row_shape) * dtype.itemsize)
+        buffer = getattr(self._scratch, "buffer", None)
+        if buffer is None or buffer.numel() < row_bytes:
+            buffer = self._scratch.buffer = torch.empty(max(SCRATCH_BYTES, row_bytes), dtype=torch.uint8)
+        rows = buffer.numel() // row_bytes
+        return buffer[:rows * row_bytes].view(dtype).view(rows, *row_shape)
 
     @contextlib.contextmanager
     def transfer(self) -> Iterator["Transfer"]:
@@ -100,11 +107,6 @@ class Transfer:
         self.h2d, self.slot = h2d, slot
         self.ready = None  # the event ending the copies (GPU), set when the transfer ends
 
-    def after_cache(self) -> None:
-        """The copies that follow wait for the last hot-row cache writes (``HostToDevice.cache_written``)."""
-        if self.slot is not None and self.h2d.cache_event is not None:
-            self.h2d.copies.side_waits(self.h2d.cache_event)
-
     def gather(self, table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """``table[ids]`` on the device: on GPU gathered into the staging slot and copied from there."""
         dtype = travel_dtype(table.dtype, self.h2d.dtype)
@@ -113,8 +115,12 @@ class Transfer:
         staged = self.slot.carve((ids.numel(), *table.shape[1:]), dtype, self.h2d.copies)
         if dtype == table.dtype:
             torch.index_select(table, 0, ids, out=staged)
-        else:
-            staged.copy_(table.index_select(0, ids))
+        else:  # narrowed through this thread's scratch, a few MB at a time: no [rows, cols] temporary to fault in
+            scratch = self.h2d.scratch(tuple(table.shape[1:]), table.dtype)
+            for start in range(0, ids.numel(), scratch.shape[0]):
+                part = ids[start:start + scratch.shape[0]]
+                gathered = torch.index_select(table, 0, part, out=scratch[:part.numel()])
+                staged[start:start + part.numel()].copy_(gathered)
         return self.h2d.copies.to_device(staged)
 
     def copy(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -153,7 +159,6 @@ def fetch_rows(tokens: torch.Tensor, vocab_size: int, tables: Mapping[int, torch
     rows = {}
     with h2d.transfer() as send:  # every copy below is issued on the side stream (GPU), staged in its own slot
         if any_hit:  # positions of hits and misses among the ids, computed here: no mask indexing on the device
-            send.after_cache()
             hit_at, miss_at, pos = (send.copy(t) for t in (hit.nonzero().squeeze(1), (~hit).nonzero().squeeze(1), pos))
         rows_at = miss if at is None else at(miss)
         for layer, table in tables.items():
