@@ -26,11 +26,10 @@ def _cfg(clip, clip_grad):
 
 def _one_step(cfg, weights, boost):
     """One step; returns the step record, the dense grads megatron's Adam gets and the row grads CPU Adam
-    gets. ``boost`` multiplies the gradient reaching the table rows (a hook on the row source's output), so
-    the tables' norm can exceed the dense one; the dense gradients do not depend on it."""
+    gets. ``boost`` multiplies the gradient reaching the table rows (a hook on each micro-batch's row leaf as the
+    store registers it), so the tables' norm can exceed the dense one; the dense gradients do not depend on it."""
     from megatron.core import parallel_state
 
-    from stem_megatron.model.stem_mlp import STEMMLP
     from stem_megatron.training.data_stream import with_rows
     from stem_megatron.training.setup import setup_model
     from stem_megatron.training.step import train_step
@@ -42,12 +41,13 @@ def _one_step(cfg, weights, boost):
                 p.copy_(weights[name])
             else:
                 weights[name] = p.detach().clone()
-    def boost_row_grads(_module, _inputs, rows):
-        rows.register_hook(lambda grad: grad * boost)
+    register = trainer.store.register
 
-    for module in trainer.model.modules():
-        if isinstance(module, STEMMLP):
-            module.U_l.register_forward_hook(boost_row_grads)
+    def boosted(layer, prefetched, rows):
+        rows.register_hook(lambda grad: grad * boost)  # before the gradient accumulates into the leaf
+        register(layer, prefetched, rows)
+
+    trainer.store.register = boosted
     dense, rows = [], []
     optimizer, adam = trainer.optimizer, trainer.store.adam
     step_with_ready_grads, update_rows = optimizer.step_with_ready_grads, adam.update_rows

@@ -134,9 +134,10 @@ def landed(event: Optional[torch.cuda.Event]) -> None:
 
 def staging_bytes(layers: int, rows: int, cols: int, itemsize: int, tokens: int) -> int:
     """The most pinned bytes one fetch stages (a ``StagingPool`` slot): ``rows`` distinct ids (at most min(V,
-    tokens)) of every layer's ``cols`` in ``itemsize`` bytes, the inverse index of its ``tokens``, the ids'
-    positions in their step and, with a hot-row cache, the hits' and misses' positions (int64), each aligned."""
-    return layers * rows * cols * itemsize + (tokens + 4 * rows) * 8 + (layers + 5) * ALIGN
+    tokens)) of every layer's ``cols`` in ``itemsize`` bytes, the inverse index of its ``tokens`` and their order
+    by row (``RowOrder``: tokens and rows), the ids' positions in their step and, with a hot-row cache, the hits'
+    and misses' positions (int64), each aligned."""
+    return layers * rows * cols * itemsize + (2 * tokens + 5 * rows) * 8 + (layers + 7) * ALIGN
 
 
 def cache_staging_bytes(rows: int, cols: int, itemsize: int) -> int:

@@ -26,6 +26,7 @@ import torch
 
 from stem_megatron.data.integrity import check_token_ids
 from stem_megatron.host_tables.pinned import CudaCopies, StagingPool
+from stem_megatron.model.stem_rows import RowOrder
 
 SCRATCH_BYTES = 4 << 20  # a fetching thread's reused buffer for rows narrowed on the way (fits in L2/L3)
 
@@ -47,6 +48,7 @@ class PrefetchedRows:
     inverse: torch.Tensor  # [b, s]: position of each token's id in ``uniq``, on the device
     fetched: Fetched
     in_step: Optional[torch.Tensor] = None  # training: positions of ``uniq`` among the step's ids, on the device
+    order: Optional[RowOrder] = None  # the tokens ([s, b] order) sorted by row, for the layer's backward (device)
 
     def wait(self) -> None:
         """Make the current stream wait for the rows and the inverse index (GPU); a no-op on CPU."""
@@ -54,7 +56,8 @@ class PrefetchedRows:
             return
         stream = torch.cuda.current_stream()
         stream.wait_event(self.fetched.ready)
-        for t in (*self.fetched.rows.values(), self.inverse, *([self.in_step] if self.in_step is not None else [])):
+        extra = [t for t in (self.in_step, *(self.order or ())) if t is not None]
+        for t in (*self.fetched.rows.values(), self.inverse, *extra):
             t.record_stream(stream)  # allocated on the side stream, used on this one
 
 
@@ -169,10 +172,11 @@ def fetch_rows(tokens: torch.Tensor, vocab_size: int, tables: Mapping[int, torch
                 out.index_copy_(0, miss_at, fetched)
                 fetched = out
             rows[layer] = fetched.float()  # the layer's row leaf: gradients sum in fp32
+        order = RowOrder(*(send.copy(t) for t in RowOrder.of(inverse.t(), uniq.numel())))  # sorted here, once
         inverse = send.copy(inverse)
         in_step = None if step_ids is None else send.copy(_positions(step_ids, uniq))
     ready = send.ready
-    return PrefetchedRows(uniq, inverse, Fetched(rows, ready, {}), in_step), hit
+    return PrefetchedRows(uniq, inverse, Fetched(rows, ready, {}), in_step, order), hit
 
 
 def _positions(step_ids: torch.Tensor, uniq: torch.Tensor) -> torch.Tensor:

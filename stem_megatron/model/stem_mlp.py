@@ -7,7 +7,8 @@
 ``W_g``/``W_u`` are column-parallel and ``W_d`` row-parallel (megatron-core linears), so each TP rank
 works on its d_ff/tp slice end to end; ``U_l`` comes from a row source holding the same slice.
 The row source reads the micro-batch's tokens from ``token_context``, so megatron's forward
-signatures stay untouched.
+signatures stay untouched. A row source with ``compact`` (host-resident rows) gives ``stem`` its rows
+compact instead, for the one-function product of ``stem_rows``.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from stem_megatron.model import token_context
+from stem_megatron.model.stem_rows import silu_times_rows
 
 STEM_VARIANTS = ("stem", "stem_dagger", "stem_gate")
 
@@ -83,12 +85,14 @@ class STEMMLP(MegatronModule):
 
     def forward(self, hidden_states: torch.Tensor, **_kwargs):
         """hidden_states [s, b, h] -> (output [s, b, h], None)."""
-        rows = self.U_l(token_context.current())  # rows [s, b, d_ff/tp] for the micro-batch's tokens
-        if self.variant == "stem":
-            h = F.silu(self.W_g(hidden_states)[0]) * rows
+        tokens = token_context.current()
+        if self.variant == "stem" and hasattr(self.U_l, "compact"):
+            h = silu_times_rows(self.W_g(hidden_states)[0], *self.U_l.compact(tokens))
+        elif self.variant == "stem":
+            h = F.silu(self.W_g(hidden_states)[0]) * self.U_l(tokens)  # rows [s, b, d_ff/tp] of the tokens
         elif self.variant == "stem_dagger":
-            h = F.silu(self.W_g(hidden_states)[0]) * (self.W_u(hidden_states)[0] + rows)
+            h = F.silu(self.W_g(hidden_states)[0]) * (self.W_u(hidden_states)[0] + self.U_l(tokens))
         else:
-            h = F.silu(rows) * self.W_u(hidden_states)[0]
+            h = F.silu(self.U_l(tokens)) * self.W_u(hidden_states)[0]
         output, _ = self.W_d(h)
         return output, None
