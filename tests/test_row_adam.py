@@ -1,4 +1,5 @@
-"""The row-indexed CPU Adam (``RowAdam.update_rows``) against DeepSpeed's dense update of the same tables."""
+"""The row-indexed CPU Adam (``RowAdam.update_rows``, ``update_untouched_rows``) against DeepSpeed's dense update
+of the same tables."""
 
 from __future__ import annotations
 
@@ -71,25 +72,58 @@ def test_odd_row_width_matches_deepspeed_per_row():
         assert torch.equal(got, want)
 
 
-def test_empty_ids_change_nothing(adam):
+@pytest.mark.parametrize("cols", [256, 131])  # whole SIMD spans (consecutive rows merged into blocks), and not
+def test_untouched_rows_equal_zero_gradients_bitwise(adam, cols):
+    """The dense store's step (touched rows with their gradients, the other owned rows without) == one update of
+    every owned row with zero-filled gradients, over steps; rows not owned keep their bits. The untouched runs
+    300-599 and 620-699 are cut into blocks at the zero buffer's size (64 rows of 256)."""
+    vocab = 700
+    owned = torch.cat([torch.arange(0, 600), torch.arange(620, vocab)])
+    touched = torch.sort(torch.randperm(300, generator=torch.Generator().manual_seed(3))[:60]).values
+    untouched = owned[~torch.isin(owned, touched)]
+    split = tables(vocab, cols)
+    filled = tuple(t.clone() for t in split)
+    before = tuple(t.clone() for t in split)
+    g = torch.Generator().manual_seed(4)
+    for step, lr in [(1, 1e-3), (2, 5e-4), (5, 2e-3)]:
+        grads = torch.randn(touched.numel(), cols, generator=g)
+        adam.update_rows(step, lr, touched, grads, *split)
+        adam.update_untouched_rows(step, lr, untouched, *split)
+        zero_filled = torch.zeros(owned.numel(), cols)
+        zero_filled[torch.searchsorted(owned, touched)] = grads
+        adam.update_rows(step, lr, owned, zero_filled, *filled)
+    for got, want, old in zip(split, filled, before):
+        assert torch.equal(got, want)
+        assert torch.equal(got[600:620], old[600:620])
+
+
+UPDATES = {  # both row updates, as the store calls them (gradients of ones)
+    "rows": lambda adam, ids, t: adam.update_rows(1, 1e-3, ids, torch.ones(ids.numel(), t[0].size(1)), *t),
+    "untouched": lambda adam, ids, t: adam.update_untouched_rows(1, 1e-3, ids, *t),
+}
+
+
+@pytest.mark.parametrize("update", UPDATES.values(), ids=UPDATES.keys())
+def test_empty_ids_change_nothing(adam, update):
     lazy = tables(16, 128)
     before = tuple(t.clone() for t in lazy)
-    adam.update_rows(1, 1e-3, torch.empty(0, dtype=torch.int64), torch.empty(0, 128), *lazy)
+    update(adam, torch.empty(0, dtype=torch.int64), lazy)
     for got, old in zip(lazy, before):
         assert torch.equal(got, old)
 
 
+@pytest.mark.parametrize("update", UPDATES.values(), ids=UPDATES.keys())
 @pytest.mark.parametrize("ids, error, message", [
     ([3, 2], ValueError, "sorted and unique"),
     ([2, 2], ValueError, "sorted and unique"),
     ([0, 16], IndexError, "row id 16 out of range for a table of 16 rows"),
     ([-1, 0], IndexError, "row id -1 out of range"),
 ])
-def test_bad_ids_raise_and_leave_tables_alone(adam, ids, error, message):
+def test_bad_ids_raise_and_leave_tables_alone(adam, update, ids, error, message):
     lazy = tables(16, 128)
     before = tuple(t.clone() for t in lazy)
     with pytest.raises(error, match=message):
-        adam.update_rows(1, 1e-3, torch.tensor(ids), torch.ones(len(ids), 128), *lazy)
+        update(adam, torch.tensor(ids), lazy)
     for got, old in zip(lazy, before):
         assert torch.equal(got, old)
 
@@ -100,3 +134,5 @@ def test_mismatched_shapes_raise(adam):
         adam.update_rows(1, 1e-3, torch.tensor([1, 2]), torch.ones(2, 64), p, m, v)
     with pytest.raises(ValueError, match="float32"):
         adam.update_rows(1, 1e-3, torch.tensor([1]), torch.ones(1, 128), p.double(), m, v)
+    with pytest.raises(ValueError, match="float32"):
+        adam.update_untouched_rows(1, 1e-3, torch.tensor([1]), p, m.double(), v)

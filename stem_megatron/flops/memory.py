@@ -268,7 +268,7 @@ def plan(cfg: RunConfig, layout: Layout, distinct_ids: Optional[int] = None) -> 
             layers, count = len(stages[stage]["stem_layers"]), peers * layout.tp  # the stage's ranks here
             mine = math.ceil(V / (dp_nodes * peers))  # rows one rank updates: its share of its node's
             touched = min(mine, math.ceil(micro * dp * uniq / (dp_nodes * peers)))
-            grads = layers * touched * (row + 8) + (mine * row if s.optimizer == "dense" and layers else 0)
+            grads = layers * touched * (row + 8)  # dense Adam adds no zero gradients (row_adam: grads None)
             ranks["process"] += count * PROCESS_BYTES
             ranks["adam_gradients"] += count * grads
             if gpu and layers:  # what the store reserves before step 1 (host_tables/pinned.py), at the ids' bound

@@ -73,9 +73,17 @@ class RowAdam:
     def update_rows(self, step: int, lr: float, ids, grads, param, exp_avg, exp_avg_sq) -> None:
         """Lazy update: AdamW in place on rows ``ids`` (sorted, unique int64, as the store passes them)
         of the contiguous fp32 tables, ``grads[r]`` for row ``ids[r]``; no gather/scatter copies."""
+        self._rows(step, lr, ids, grads.contiguous(), param, exp_avg, exp_avg_sq)
+
+    def update_untouched_rows(self, step: int, lr: float, ids, param, exp_avg, exp_avg_sq) -> None:
+        """Dense mode's rows without a gradient: ``update_rows`` with zero gradients, bit for bit, without a
+        zero tensor of their size (V x columns per layer and step, GBs at 350M)."""
+        self._rows(step, lr, ids, None, param, exp_avg, exp_avg_sq)
+
+    def _rows(self, step: int, lr: float, ids, grads, param, exp_avg, exp_avg_sq) -> None:
         self._start(step)
         self.kernel.row_adam_update(self.opt_id, step, lr, self.beta1, self.beta2, self.eps, self.weight_decay,
-                                    True, ids.contiguous(), grads.contiguous(), param, exp_avg, exp_avg_sq)
+                                    True, ids.contiguous(), grads, param, exp_avg, exp_avg_sq)
 
     def __del__(self):
         kernel = getattr(self, "kernel", None)

@@ -308,14 +308,16 @@ class HostTableStore:
 
     def _update(self, step: int, lr: float, layer: int, rows, local, grads) -> None:
         """AdamW on rows ``rows`` (sorted, of the node's master block) of ``layer``: gradient ``grads`` for
-        ``local`` (sorted, among ``rows``), zero for the others (dense mode)."""
+        ``local`` (sorted, among ``rows``), zero for the others (dense mode), without a tensor of those zeros
+        (V x cols a step)."""
         if rows.numel() == 0:
             return
+        table = self.master[layer], self.exp_avg[layer], self.exp_avg_sq[layer]
+        self.adam.update_rows(step, lr, local, grads, *table)
         if rows.numel() != local.numel():
-            dense = torch.zeros(rows.numel(), self.cols)
-            dense[torch.searchsorted(rows, local)] = grads
-            grads = dense
-        self.adam.update_rows(step, lr, rows, grads, self.master[layer], self.exp_avg[layer], self.exp_avg_sq[layer])
+            untouched = torch.ones(rows.numel(), dtype=torch.bool)
+            untouched[torch.searchsorted(rows, local)] = False
+            self.adam.update_untouched_rows(step, lr, rows[untouched], *table)
         if self.read_dtype != torch.float32:  # the node's copy of its own rows, rounded
             self.weight[layer][self.own.lo + rows] = self.master[layer][rows].to(self.read_dtype)
 

@@ -25,6 +25,11 @@ constexpr int64_t kSpan = SIMD_WIDTH * 8;
 constexpr int64_t kSpan = 0;  // scalar or SVE builds: a row per call
 #endif
 
+// Without gradients (dense AdamW's untouched rows) Step_8 reads this many zero floats at most: a run of those
+// rows is cut into blocks of that size (or one row), so the buffer stays small and in cache instead of a
+// zero tensor of the rows' size, and a long run is still spread over the threads.
+constexpr int64_t kZeroFloats = 16384;
+
 inline void prefetch_row(const float* p, const float* m, const float* v, int64_t cols)
 {
     for (int64_t at = 0; at < std::min(cols, kPrefetchFloats); at += 64 / sizeof(float)) {
@@ -34,10 +39,10 @@ inline void prefetch_row(const float* p, const float* m, const float* v, int64_t
     }
 }
 
-// AdamW on rows ids[r] of params/exp_avg/exp_avg_sq with grads[r]: the same per-element math as
-// ds_adam_step over those rows, without gathering them. Blocks (a row, or a run of consecutive rows) are
-// spread over OpenMP threads; each runs DeepSpeed's Step_8 serially (parallel = false) while the next
-// block's start is prefetched.
+// AdamW on rows ids[r] of params/exp_avg/exp_avg_sq with grads[r], or with a zero gradient where grads is
+// None: the same per-element math as ds_adam_step over those rows, without gathering them. Blocks (a row, or
+// a run of consecutive rows) are spread over OpenMP threads; each runs DeepSpeed's Step_8 serially
+// (parallel = false) while the next block's start is prefetched.
 int row_adam_step(int optimizer_id,
                   size_t step,
                   float lr,
@@ -47,7 +52,7 @@ int row_adam_step(int optimizer_id,
                   float weight_decay,
                   bool bias_correction,
                   const torch::Tensor& ids,
-                  const torch::Tensor& grads,
+                  const std::optional<torch::Tensor>& grads,
                   const torch::Tensor& params,
                   const torch::Tensor& exp_avg,
                   const torch::Tensor& exp_avg_sq)
@@ -55,14 +60,16 @@ int row_adam_step(int optimizer_id,
     TORCH_CHECK_VALUE(ids.dim() == 1 && ids.scalar_type() == torch::kInt64 && ids.is_contiguous(),
                       "ids must be a contiguous 1-D int64 tensor");
     TORCH_CHECK_VALUE(params.dim() == 2, "params must be a 2-D table (rows x columns)");
-    for (const torch::Tensor* t : {&grads, &params, &exp_avg, &exp_avg_sq}) {
+    std::vector<const torch::Tensor*> floats = {&params, &exp_avg, &exp_avg_sq};
+    if (grads) floats.push_back(&*grads);
+    for (const torch::Tensor* t : floats) {
         TORCH_CHECK_VALUE(t->scalar_type() == torch::kFloat32 && t->device().is_cpu() && t->is_contiguous(),
                           "params, grads and moments must be contiguous float32 CPU tensors");
     }
     TORCH_CHECK_VALUE(exp_avg.sizes() == params.sizes() && exp_avg_sq.sizes() == params.sizes(),
                       "exp_avg and exp_avg_sq must have the shape of params");
     const int64_t n = ids.numel(), rows = params.size(0), cols = params.size(1);
-    TORCH_CHECK_VALUE(grads.dim() == 2 && grads.size(0) == n && grads.size(1) == cols,
+    TORCH_CHECK_VALUE(!grads || (grads->dim() == 2 && grads->size(0) == n && grads->size(1) == cols),
                       "grads must be (len(ids), columns of params)");
     const int64_t* id = ids.data_ptr<int64_t>();
     for (int64_t r = 0; r < n; r++) {
@@ -76,14 +83,17 @@ int row_adam_step(int optimizer_id,
     opt->update_state(lr, epsilon, weight_decay, bias_correction);
 
     float* p = params.data_ptr<float>();
-    float* g = grads.data_ptr<float>();
+    float* g = grads ? grads->data_ptr<float>() : nullptr;
     float* m = exp_avg.data_ptr<float>();
     float* v = exp_avg_sq.data_ptr<float>();
-    const bool merge = kSpan > 0 && cols % kSpan == 0;
+    const bool merge = kSpan > 0 && cols > 0 && cols % kSpan == 0;
+    // Rows a block holds at most: a whole run with gradients; without, as many as the zero buffer.
+    const int64_t most = !merge ? 1 : grads ? n : std::max<int64_t>(1, kZeroFloats / cols);
+    std::vector<float> zeros(grads ? 0 : most * cols, 0.0f);  // +0.0f, the bits of a zero-filled gradient
     std::vector<int64_t> starts;  // first index into ids of each block; n at the end
     starts.reserve(n + 1);
     for (int64_t r = 0; r < n; r++) {
-        if (r == 0 || !merge || id[r] != id[r - 1] + 1) starts.push_back(r);
+        if (r == 0 || id[r] != id[r - 1] + 1 || r - starts.back() == most) starts.push_back(r);
     }
     starts.push_back(n);
     const int64_t blocks = static_cast<int64_t>(starts.size()) - 1;
@@ -94,7 +104,7 @@ int row_adam_step(int optimizer_id,
             const int64_t next = id[starts[b + 1]] * cols;
             prefetch_row(p + next, m + next, v + next, cols);
         }
-        opt->Step_8(p + at, g + r * cols, m + at, v + at, (starts[b + 1] - r) * cols, false);
+        opt->Step_8(p + at, g ? g + r * cols : zeros.data(), m + at, v + at, (starts[b + 1] - r) * cols, false);
     }
     return 0;
 }
@@ -108,6 +118,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m)
     m.def("adam_update", &ds_adam_step, "DeepSpeed CPU Adam update (C++)");
     m.def("row_adam_update",
           &row_adam_step,
-          "DeepSpeed CPU Adam update of table rows by index, in place (C++)",
+          "DeepSpeed CPU Adam update of table rows by index, in place; grads None: zero gradients (C++)",
           pybind11::call_guard<pybind11::gil_scoped_release>());
 }
