@@ -104,39 +104,41 @@ class RowExchange:
     # ---- which rows changed elsewhere ----
     def updated_elsewhere(self, ids: torch.Tensor) -> torch.Tensor:
         """Ids the peers of my class on other nodes updated this step (I updated ``ids``): rows my node's
-        copy now holds stale. Ids only: 8 bytes a row."""
+        copy now holds stale. Ids only, 8 bytes a row, over the rail's gloo twin (no device work to wait for)."""
         if self.rail is None:
             return ids[:0]
         start = time.perf_counter()
-        size = dist.get_world_size(self.rail)
-        lengths = [torch.zeros(1, dtype=torch.int64, device=self.device) for _ in range(size)]
-        dist.all_gather(lengths, torch.tensor([ids.numel()], device=self.device), group=self.rail)
+        size = dist.get_world_size(self.rail_host)
+        lengths = [torch.zeros(1, dtype=torch.int64) for _ in range(size)]
+        dist.all_gather(lengths, torch.tensor([ids.numel()]), group=self.rail_host)
         longest = int(max(n.item() for n in lengths))
-        padded = torch.full((longest,), -1, dtype=torch.int64, device=self.device)
-        padded[:ids.numel()] = ids.to(self.device)
+        padded = torch.full((longest,), -1, dtype=torch.int64)
+        padded[:ids.numel()] = ids
         gathered = [torch.empty_like(padded) for _ in range(size)]
-        dist.all_gather(gathered, padded, group=self.rail)
+        dist.all_gather(gathered, padded, group=self.rail_host)
         others = torch.cat([g for n, g in enumerate(gathered) if n != self.own.node])
-        self._count(self.rail, (longest + 1) * 8 * (size - 1), (longest + 1) * 8 * (size - 1))
+        self._count(self.rail_host, (longest + 1) * 8 * (size - 1), (longest + 1) * 8 * (size - 1))
         self.stats["exchange_s"] += time.perf_counter() - start
-        return others[others >= 0].cpu()
+        return others[others >= 0]
 
     # ---- which rows the next step reads ----
     def read_anywhere(self, ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
         """Over token ids: True where any rank of the DP group reads the row (``ids``: what I read). A V-byte
-        max over my node's peers, then over my rail; counted as ring all-reduces."""
-        mask = torch.zeros(vocab_size, dtype=torch.uint8, device=self.device)
-        mask[ids.to(self.device)] = 1
-        for group in (self.local, self.rail):
+        max over my node's peers, then over my rail, on the host (the groups' gloo twins: a mask through the
+        device would wait there for the step's optimizer); counted as ring all-reduces."""
+        mask = torch.zeros(vocab_size, dtype=torch.uint8)
+        mask[ids] = 1
+        for group in (self.local_host, self.rail_host):
             if group is not None:
                 dist.all_reduce(mask, op=dist.ReduceOp.MAX, group=group)
                 n = dist.get_world_size(group)
                 self._count(group, 2 * (n - 1) * vocab_size // n, 2 * (n - 1) * vocab_size // n)
-        return mask.cpu().bool()
+        return mask.bool()
 
     # ---- fresh rows for the node's copy ----
     def node_needs(self, ids: torch.Tensor) -> torch.Tensor:
-        """Sorted ids of my class that any DP peer of my node asks for (``ids``: what I ask for)."""
+        """Sorted ids of my class that any DP peer of my node asks for (``ids``: what I ask for); ids only, over the
+        node group's gloo twin."""
         ids = torch.unique(ids)
         if self.local is None:
             return ids
@@ -144,9 +146,9 @@ class RowExchange:
         order = torch.argsort(dest, stable=True)
         ids, dest = ids[order], dest[order]
         keep = dest == self.own.peer
-        counts = torch.bincount(dest[~keep], minlength=dist.get_world_size(self.local))
-        _, (got,) = self._all_to_all(self.local, counts, ids[~keep])
-        return torch.unique(torch.cat([ids[keep], got.cpu()]))
+        counts = torch.bincount(dest[~keep], minlength=dist.get_world_size(self.local_host))
+        _, (got,) = self._all_to_all(self.local_host, counts, ids[~keep], device=torch.device("cpu"))
+        return torch.unique(torch.cat([ids[keep], got]))
 
     def pull(self, ids: torch.Tensor, tables: Sequence[torch.Tensor]) -> None:
         """Copy the owners' rows ``ids`` (sorted, of my class, none owned by my node) into ``tables``
