@@ -49,6 +49,9 @@ def _run(rank: int, port: int, p: np.ndarray, args, optimizer: str, overlap: boo
     try:
         store = HostTableStore(list(range(1, args.layers + 1)), len(p), args.cols, init_std=0.02, seed=0,
                                optimizer=optimizer, overlap_update=overlap)
+        for layer in store.layers:  # the moments' tmpfs pages touched now, as in a run that has trained a while:
+            store.exp_avg[layer].zero_()  # else each step faults in the new rows' pages and times the kernel
+            store.exp_avg_sq[layer].zero_()
         store.refresh(torch.unique(draw(1)))
         records = []
         for step in range(1, args.steps + 1):

@@ -136,3 +136,31 @@ def test_mismatched_shapes_raise(adam):
         adam.update_rows(1, 1e-3, torch.tensor([1]), torch.ones(1, 128), p.double(), m, v)
     with pytest.raises(ValueError, match="float32"):
         adam.update_untouched_rows(1, 1e-3, torch.tensor([1]), p, m.double(), v)
+
+
+@pytest.mark.parametrize("cols", [256, 131])
+def test_gradients_found_by_grad_rows_equal_gradients_in_row_order_bitwise(adam, cols):
+    """The store leaves a step's gradients where they landed and names each row's (``grad_rows``): the same bits
+    as passing ``grads[grad_rows]``, with runs of consecutive rows (merged blocks at 256 columns) whose gradients
+    are and are not consecutive too."""
+    ids = torch.tensor([3, 4, 5, 6, 9, 10, 20, 21, 22])
+    grad_rows = torch.tensor([7, 8, 0, 1, 5, 2, 3, 4, 6])  # 7, 8 and 3, 4 follow each other, the rest do not
+    by_index, permuted = tables(30, cols), tables(30, cols)
+    g = torch.Generator().manual_seed(3)
+    for step in (1, 2):
+        grads = torch.randn(9, cols, generator=g)
+        adam.update_rows(step, 1e-3, ids, grads, *by_index, grad_rows=grad_rows)
+        adam.update_rows(step, 1e-3, ids, grads[grad_rows], *permuted)
+    for got, want in zip(by_index, permuted):
+        assert torch.equal(got, want)
+
+
+def test_bad_grad_rows_raise_and_leave_tables_alone(adam):
+    lazy = tables(16, 128)
+    before = tuple(t.clone() for t in lazy)
+    with pytest.raises(IndexError, match=r"grad_rows\[1\] = 4 out of range for 2 gradient rows"):
+        adam.update_rows(1, 1e-3, torch.tensor([1, 2]), torch.ones(2, 128), *lazy, grad_rows=torch.tensor([0, 4]))
+    with pytest.raises(ValueError, match="grad_rows must be"):
+        adam.update_rows(1, 1e-3, torch.tensor([1, 2]), torch.ones(2, 128), *lazy, grad_rows=torch.tensor([0]))
+    for got, old in zip(lazy, before):
+        assert torch.equal(got, old)

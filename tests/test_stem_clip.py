@@ -56,9 +56,9 @@ def _one_step(cfg, weights, boost):
         dense.extend(p.grad.detach().clone() for p in optimizer.get_parameters() if p.grad is not None)
         return step_with_ready_grads()
 
-    def capture_rows(step, lr, ids, grads, *args):
-        rows.append(grads.detach().clone())
-        return update_rows(step, lr, ids, grads, *args)
+    def capture_rows(step, lr, ids, grads, *args, grad_rows=None):
+        rows.append((grads if grad_rows is None else grads[grad_rows]).detach().clone())
+        return update_rows(step, lr, ids, grads, *args, grad_rows=grad_rows)
 
     optimizer.step_with_ready_grads, adam.update_rows = capture_dense, capture_rows
     dp, dp_rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()

@@ -70,20 +70,23 @@ class RowAdam:
         self.kernel.adam_update(self.opt_id, step, lr, self.beta1, self.beta2, self.eps, self.weight_decay,
                                 True, param, grad, exp_avg, exp_avg_sq)
 
-    def update_rows(self, step: int, lr: float, ids, grads, param, exp_avg, exp_avg_sq) -> None:
+    def update_rows(self, step: int, lr: float, ids, grads, param, exp_avg, exp_avg_sq, grad_rows=None) -> None:
         """Lazy update: AdamW in place on rows ``ids`` (sorted, unique int64, as the store passes them)
-        of the contiguous fp32 tables, ``grads[r]`` for row ``ids[r]``; no gather/scatter copies."""
-        self._rows(step, lr, ids, grads.contiguous(), param, exp_avg, exp_avg_sq)
+        of the contiguous fp32 tables, ``grads[r]`` for row ``ids[r]`` (``grads[grad_rows[r]]`` with
+        ``grad_rows``: the store's order of rows is not its gradients', which stay where they landed); no
+        gather/scatter copies."""
+        self._rows(step, lr, ids, grads.contiguous(), param, exp_avg, exp_avg_sq, grad_rows)
 
     def update_untouched_rows(self, step: int, lr: float, ids, param, exp_avg, exp_avg_sq) -> None:
         """Dense mode's rows without a gradient: ``update_rows`` with zero gradients, bit for bit, without a
         zero tensor of their size (V x columns per layer and step, GBs at 350M)."""
         self._rows(step, lr, ids, None, param, exp_avg, exp_avg_sq)
 
-    def _rows(self, step: int, lr: float, ids, grads, param, exp_avg, exp_avg_sq) -> None:
+    def _rows(self, step: int, lr: float, ids, grads, param, exp_avg, exp_avg_sq, grad_rows=None) -> None:
         self._start(step)
         self.kernel.row_adam_update(self.opt_id, step, lr, self.beta1, self.beta2, self.eps, self.weight_decay,
-                                    True, ids.contiguous(), grads, param, exp_avg, exp_avg_sq)
+                                    True, ids.contiguous(), grads, param, exp_avg, exp_avg_sq,
+                                    None if grad_rows is None else grad_rows.contiguous())
 
     def __del__(self):
         kernel = getattr(self, "kernel", None)

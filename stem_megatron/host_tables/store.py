@@ -129,6 +129,7 @@ class HostTableStore:
                                   landing_rows=landing_rows(self.own, step_ids))
         self.updates = RowUpdates(overlap_update, host_threads(self.device))
         self._grads: dict = {}  # layer -> (ids, gradients, copy event) of the step, on the host
+        self._aside: dict = {}  # layer -> the later part's gradients, out of the landing buffer (``_set_aside``)
         self._stats = self._new_stats()
 
     def _init_table(self, full: torch.Tensor, layer: int, seed: int, std: float, owned: bool) -> None:
@@ -274,21 +275,29 @@ class HostTableStore:
             updated = torch.unique(torch.cat([updated, ids]))
             local, read = self.own.local(ids), read_next[ids]
             order = torch.argsort(local + (~read) * self.vocab_size)  # rows read next first, each part by row
-            local, grads, k = local[order], grads[order], int(read.sum())
+            local, k = local[order], int(read.sum())  # the gradients stay as they landed: ``order`` finds them
             if self.mode == "dense":  # zero gradients for the untouched ones
-                first.append((layer, rows[now], local[:k], grads[:k]))
-                rest.append((layer, rows[~now], local[k:], grads[k:]))
+                first.append((layer, rows[now], local[:k], grads, order[:k]))
+                rest.append((layer, rows[~now], local[k:], grads, order[k:]))
             else:
-                first.append((layer, local[:k], local[:k], grads[:k]))
-                rest.append((layer, local[k:], local[k:], grads[k:]))
+                first.append((layer, local[:k], local[:k], grads, order[:k]))
+                rest.append((layer, local[k:], local[k:], grads, order[k:]))
             self._stats["rows_updated"] += first[-1][1].numel() + rest[-1][1].numel()
             self._stats["rows_updated_later"] += rest[-1][1].numel()
 
         def update(parts) -> None:
-            for layer, rows, local, grads in parts:
-                self._update(step, lr, layer, rows, local, grads)
+            for layer, rows, local, grads, at in parts:
+                self._update(step, lr, layer, rows, local, grads, at)
 
-        self.updates.now(lambda: update(first))
+        def update_now() -> None:
+            """The first part, then the rest's gradients out of the landing buffers (the next step's land there)
+            into buffers kept from step to step, on the same thread and its cores: the first part reads them where
+            they landed, with no copy."""
+            update(first)
+            rest[:] = [(layer, rows, local, self._set_aside(layer, grads, at), None)
+                       for layer, rows, local, grads, at in rest]
+
+        self.updates.now(update_now)
         self.steps_done = step
         if self.layers:
             if self.mode == "dense":
@@ -306,14 +315,22 @@ class HostTableStore:
             return torch.ones(self.vocab_size, dtype=torch.bool)
         return self.exchange.read_anywhere(ids, self.vocab_size)
 
-    def _update(self, step: int, lr: float, layer: int, rows, local, grads) -> None:
-        """AdamW on rows ``rows`` (sorted, of the node's master block) of ``layer``: gradient ``grads`` for
-        ``local`` (sorted, among ``rows``), zero for the others (dense mode), without a tensor of those zeros
-        (V x cols a step)."""
+    def _set_aside(self, layer: int, grads: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
+        """``grads[at]`` in this layer's buffer for the later part, grown when too small (a fresh tensor each step
+        would fault its pages in on the step's path)."""
+        buffer = self._aside.get(layer)
+        if buffer is None or buffer.shape[0] < at.numel():
+            buffer = self._aside[layer] = torch.empty(at.numel(), self.cols)
+        return torch.index_select(grads, 0, at, out=buffer[:at.numel()])
+
+    def _update(self, step: int, lr: float, layer: int, rows, local, grads, at) -> None:
+        """AdamW on rows ``rows`` (sorted, of the node's master block) of ``layer``: gradient ``grads[at[i]]``
+        for ``local[i]`` (sorted, among ``rows``), zero for the others (dense mode), without a tensor of those
+        zeros (V x cols a step)."""
         if rows.numel() == 0:
             return
         table = self.master[layer], self.exp_avg[layer], self.exp_avg_sq[layer]
-        self.adam.update_rows(step, lr, local, grads, *table)
+        self.adam.update_rows(step, lr, local, grads, *table, grad_rows=at)
         if rows.numel() != local.numel():
             untouched = torch.ones(rows.numel(), dtype=torch.bool)
             untouched[torch.searchsorted(rows, local)] = False

@@ -39,10 +39,12 @@ inline void prefetch_row(const float* p, const float* m, const float* v, int64_t
     }
 }
 
-// AdamW on rows ids[r] of params/exp_avg/exp_avg_sq with grads[r], or with a zero gradient where grads is
-// None: the same per-element math as ds_adam_step over those rows, without gathering them. Blocks (a row, or
-// a run of consecutive rows) are spread over OpenMP threads; each runs DeepSpeed's Step_8 serially
-// (parallel = false) while the next block's start is prefetched.
+// AdamW on rows ids[r] of params/exp_avg/exp_avg_sq with grads[r] (grads[grad_rows[r]] where grad_rows is
+// given: the caller's order need not be the gradients', so they are never permuted into a copy), or with a
+// zero gradient where grads is None: the same per-element math as ds_adam_step over those rows, without
+// gathering them. Blocks (a row, or a run of rows consecutive in the table and in grads) are spread over
+// OpenMP threads; each runs DeepSpeed's Step_8 serially (parallel = false) while the next block's start is
+// prefetched.
 int row_adam_step(int optimizer_id,
                   size_t step,
                   float lr,
@@ -55,7 +57,8 @@ int row_adam_step(int optimizer_id,
                   const std::optional<torch::Tensor>& grads,
                   const torch::Tensor& params,
                   const torch::Tensor& exp_avg,
-                  const torch::Tensor& exp_avg_sq)
+                  const torch::Tensor& exp_avg_sq,
+                  const std::optional<torch::Tensor>& grad_rows)
 {
     TORCH_CHECK_VALUE(ids.dim() == 1 && ids.scalar_type() == torch::kInt64 && ids.is_contiguous(),
                       "ids must be a contiguous 1-D int64 tensor");
@@ -69,9 +72,17 @@ int row_adam_step(int optimizer_id,
     TORCH_CHECK_VALUE(exp_avg.sizes() == params.sizes() && exp_avg_sq.sizes() == params.sizes(),
                       "exp_avg and exp_avg_sq must have the shape of params");
     const int64_t n = ids.numel(), rows = params.size(0), cols = params.size(1);
-    TORCH_CHECK_VALUE(!grads || (grads->dim() == 2 && grads->size(0) == n && grads->size(1) == cols),
+    TORCH_CHECK_VALUE(!grads || (grads->dim() == 2 && (grad_rows || grads->size(0) == n) && grads->size(1) == cols),
                       "grads must be (len(ids), columns of params)");
+    TORCH_CHECK_VALUE(!grad_rows || (grads && grad_rows->dim() == 1 && grad_rows->numel() == n &&
+                                     grad_rows->scalar_type() == torch::kInt64 && grad_rows->is_contiguous()),
+                      "grad_rows must be a contiguous 1-D int64 tensor of len(ids), with grads");
     const int64_t* id = ids.data_ptr<int64_t>();
+    const int64_t* at_grad = grad_rows ? grad_rows->data_ptr<int64_t>() : nullptr;
+    for (int64_t r = 0; at_grad && r < n; r++) {
+        TORCH_CHECK_INDEX(at_grad[r] >= 0 && at_grad[r] < grads->size(0), "grad_rows[", r, "] = ", at_grad[r],
+                          " out of range for ", grads->size(0), " gradient rows");
+    }
     for (int64_t r = 0; r < n; r++) {
         TORCH_CHECK_INDEX(id[r] >= 0 && id[r] < rows, "row id ", id[r], " out of range for a table of ", rows,
                           " rows");
@@ -93,7 +104,8 @@ int row_adam_step(int optimizer_id,
     std::vector<int64_t> starts;  // first index into ids of each block; n at the end
     starts.reserve(n + 1);
     for (int64_t r = 0; r < n; r++) {
-        if (r == 0 || id[r] != id[r - 1] + 1 || r - starts.back() == most) starts.push_back(r);
+        const bool grads_follow = !at_grad || at_grad[r] == at_grad[r - 1] + 1;  // (r > 0 where read)
+        if (r == 0 || id[r] != id[r - 1] + 1 || !grads_follow || r - starts.back() == most) starts.push_back(r);
     }
     starts.push_back(n);
     const int64_t blocks = static_cast<int64_t>(starts.size()) - 1;
@@ -104,7 +116,8 @@ int row_adam_step(int optimizer_id,
             const int64_t next = id[starts[b + 1]] * cols;
             prefetch_row(p + next, m + next, v + next, cols);
         }
-        opt->Step_8(p + at, g ? g + r * cols : zeros.data(), m + at, v + at, (starts[b + 1] - r) * cols, false);
+        float* grad = g ? g + (at_grad ? at_grad[r] : r) * cols : zeros.data();
+        opt->Step_8(p + at, grad, m + at, v + at, (starts[b + 1] - r) * cols, false);
     }
     return 0;
 }
