@@ -98,8 +98,8 @@ class StagingPool:
 class DeviceToHost:
     """Device tensors into pinned host buffers, copied on a side stream (GPU): the issuing thread goes on, whoever
     reads the host tensor first calls ``landed``. One buffer per key (a STEM layer), reserved before the first step
-    (``reserve``); the store copies a step's gradients out of it before CPU Adam reads them, so the next step's
-    may land in it. On CPU the tensor is already on the host."""
+    (``reserve``); ``store.step`` is done with a step's gradients before the next step's land in it (the first part
+    of CPU Adam reads them in place, the rest's are set aside). On CPU the tensor is already on the host."""
 
     def __init__(self, device: torch.device):
         self.copies = CudaCopies(device) if device.type == "cuda" else None

@@ -9,6 +9,8 @@ Either way backward adds into the compact leaf (in fp32), so only touched rows e
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 from megatron.core.transformer.module import MegatronModule
@@ -33,9 +35,9 @@ class HostRowSource(MegatronModule):
             raise ValueError(f"layer {layer_number} has no table in the host store (has {self.store.layers})")
         self.layer_number = layer_number
 
-    def compact(self, tokens: MicroBatchTokens) -> tuple[torch.Tensor, torch.Tensor, RowOrder]:
+    def compact(self, tokens: MicroBatchTokens) -> tuple[torch.Tensor, torch.Tensor, Optional[RowOrder]]:
         """(the rows fetched for ``tokens``, ``[u, d_ff/tp]`` fp32; each token's row, ``[s, b]``; the tokens'
-        order by row)."""
+        order by row, or None where the fetch computed none)."""
         prefetched, rows = self._rows(tokens)
         return rows, prefetched.inverse.t(), prefetched.order
 

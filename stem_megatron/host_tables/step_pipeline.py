@@ -115,7 +115,7 @@ class RowGradients:
         summed = self.exchange.to_owners(self._routes, merged)
         summed /= dist.get_world_size(self.dp_group)
         self.stats["bytes_from_device"] += summed.numel() * 4
-        host_grads, landed = self.d2h.copy(summed, layer)  # store.step copies it out before CPU Adam reads
+        host_grads, landed = self.d2h.copy(summed, layer)  # store.step is done with it before the next step's land
         return (self._owned, host_grads, landed), summed.pow(2).sum()
 
     def reduce(self) -> tuple[dict[int, Landed], torch.Tensor]:

@@ -1,0 +1,42 @@
+"""The benchmarks of the step's parts (README, docs/benchmarks.md) run at their smallest size: a crash fails here,
+and each reports what its table prints."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _run(script: str, *args: str) -> str:
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / script), *args], capture_output=True, text=True,
+                          timeout=600, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout
+
+
+def test_fetch_gather_compares_both_gathers_on_equal_bytes():
+    """The script exits non-zero when the two gathers' bytes differ; one line per thread count."""
+    out = _run("fetch_gather.py", "--cols", "16", "--tokens", "256", "--rounds", "1")
+    lines = [line for line in out.splitlines() if "after/before" in line]
+    assert lines and all("before" in line and " ms" in line for line in lines), out
+
+
+@pytest.mark.slow
+def test_stem_layer_times_dense_and_both_stem_paths():
+    records = json.loads(_run("stem_layer.py", "--models", "350M", "--tokens", "64", "--rounds", "1", "--warmup", "0",
+                              "--json"))
+    (record,) = records
+    assert set(record["ms"]) == {"dense", "stem, gather", "stem"} and all(t > 0 for t in record["ms"].values())
+    assert record["over_dense"]["dense"] == 1.0 and record["rows"] <= 64
+
+
+@pytest.mark.slow
+def test_update_order_reports_both_optimizers_in_both_orders():
+    out = _run("update_order.py", "--tokens", "512", "--cols", "16", "--layers", "1", "--device-step", "0",
+               "--steps", "2", "--repeats", "1")
+    rows = [line.split()[:2] for line in out.splitlines() if line.startswith(("lazy", "dense"))]
+    assert [r[0] for r in rows] == ["lazy", "lazy", "dense", "dense"], out
