@@ -5,6 +5,7 @@ those of the megatron model each rank builds, the CLI prints it for a recipe, an
 import dataclasses
 import json
 import os
+import re
 
 import distributed
 import pytest
@@ -80,10 +81,19 @@ def test_cli_prints_the_plan_of_a_recipe(tmp_path, capsys):
     assert "memory plan: +experiment=pretrain_350m variant=stem_1_3" in out
     assert "2 node(s) x 8 GPUs, TP=1 PP=1 DP=16" in out and "per GPU" in out and "per node" in out
     assert "U_l copies" in out and "Adam moments" in out and "activations (est.)" in out
+    assert "this machine" not in out  # an 8-node plan is not judged against the machine it is typed on
     result = json.loads(path.read_text())
     shared = result["nodes"][0]["shared"]
     assert shared["tables"] == 10 * 32000 * 2560 * 4 and shared["moments"] == 2 * 10 * 16000 * 2560 * 4
     assert result["micro_batches"] == 4 and result["distinct_ids"] == 8 * 2048
+
+
+def test_here_compares_the_plan_with_this_machine(capsys):
+    """The demo's plan (tens of MiB) on this machine: /dev/shm's free space and MemAvailable named, and it fits."""
+    main(["--memory", "parallel=single", "--gpus-per-node", "1", "--device", "cpu", "--here"])
+    line = capsys.readouterr().out.splitlines()[-1]
+    assert re.fullmatch(r"this machine: /dev/shm [\d.]+ GiB free, MemAvailable [\d.]+ GiB; node 0 needs [\d.]+ GiB "
+                        r"shared, [\d.]+ GiB in all: fits", line), line
 
 
 @pytest.mark.parametrize("args,message", [

@@ -68,6 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
     memory.add_argument("--pp", type=int, default=None, help="pipeline stages (default: the recipe's)")
     memory.add_argument("--device", choices=("gpu", "cpu"), default="gpu",
                         help="gpu: bf16 weights, flash attention (default) | cpu: fp32, megatron's local attention")
+    memory.add_argument("--here", action="store_true",
+                        help="also compare the node that needs most with this machine's shared-memory directory "
+                             "and MemAvailable (run it on a node of the cluster)")
     memory.add_argument("--distinct-ids", type=int, default=None,
                         help="distinct token ids per micro-batch (default: the bound min(V, b*s); a run's "
                              "stem_unique_tokens / micro-batches per step gives the real figure)")
@@ -93,7 +96,9 @@ def _memory(args) -> dict:
     result["overrides"] = list(args.models)
     if args.json != "-":
         machine = None
-        if os.path.isdir(cfg.stem.shm_dir):
+        if args.here:
+            if not os.path.isdir(cfg.stem.shm_dir):
+                raise FlopsError(f"--here: this machine has no {cfg.stem.shm_dir} (stem.shm_dir) to hold the tables")
             machine = (cfg.stem.shm_dir, *free_space(cfg.stem.shm_dir))
         print_plan(result, " ".join(args.models) or "the demo (recipes/train.yaml)", machine)
     return result
