@@ -13,8 +13,8 @@
 #   OUT_DIR          run directory; default runs/slurm/<job name>-<job id> (an out_dir=... override wins)
 #   EXTRA_OVERRIDES  more Hydra overrides (space-separated), placed after DEFAULTS and before "$@"
 #   MASTER_PORT      rendezvous port on the first node; default 20000 + job id % 20000
-#   REQUEUE          what SIGUSR1 (sbatch --signal=B:USR1@120, before the time limit) does: 1 (default)
-#                    requeues the job, which then resumes from its latest checkpoint (see RESUME), 0 not
+#   REQUEUE          after SIGUSR1 (sbatch --signal=B:USR1@120, before the time limit) stopped training with a
+#                    checkpoint: 1 (default) requeues the job, which resumes from it (see RESUME), 0 not
 
 set -euo pipefail
 : "${SLURM_JOB_ID:?not inside a SLURM job: submit with sbatch (see docs/cluster.md)}"
@@ -117,24 +117,38 @@ if [ "${SLURM_RESTART_COUNT:-0}" -gt 0 ] && [ -f "$OUT_DIR/metrics.jsonl" ]; the
 fi
 # =========================================================================================================
 
-# ---- requeue shortly before the time limit --------------------------------------------------------------
-# shellcheck disable=SC2329  # called by the trap
+# ---- stop and requeue shortly before the time limit --------------------------------------------------------
+# SIGUSR1 (--signal=B:USR1@120) goes on to the training processes through srun and torchrun: they finish the step,
+# save a checkpoint and leave $OUT_DIR/stopped.json (training/preemption.py). Once srun has ended, a stopped run is
+# requeued and resumes from that checkpoint with no step redone; a run that finished or failed meanwhile is not.
+# SIGTERM (preemption, scancel, the time limit itself) reaches them from SLURM and ends the same way, without a requeue
+# from here (a preempted job is requeued by SLURM itself when the cluster preempts by requeueing).
+stop_requested=0
 requeue() {
   if [ "${REQUEUE:-1}" = 1 ]; then
-    echo "$(date '+%F %T') SIGUSR1 (time limit near): requeueing job $SLURM_JOB_ID" \
-         "(restart $(( ${SLURM_RESTART_COUNT:-0} + 1 )))"
+    echo "$(date '+%F %T') requeueing job $SLURM_JOB_ID (restart $(( ${SLURM_RESTART_COUNT:-0} + 1 )))"
     scontrol requeue "$SLURM_JOB_ID"
   else
-    echo "$(date '+%F %T') SIGUSR1 (time limit near): not requeueing (REQUEUE=0)"
+    echo "$(date '+%F %T') not requeueing (REQUEUE=0)"
   fi
 }
-trap requeue USR1
+# shellcheck disable=SC2329  # called by the trap
+stop_training() {
+  stop_requested=1
+  if [ -n "${srun_pid:-}" ]; then
+    echo "$(date '+%F %T') SIGUSR1 (time limit near): training stops after its step, with a checkpoint"
+    kill -USR1 "$srun_pid" 2>/dev/null || true
+  else  # not started yet: nothing to save
+    requeue
+  fi
+}
+trap stop_training USR1
 
 # ---- launch -----------------------------------------------------------------------------------------------
 MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)
 MASTER_PORT=${MASTER_PORT:-$(( 20000 + SLURM_JOB_ID % 20000 ))}
 NNODES=${SLURM_NNODES:-1}
-cmd=("$PYTHON" -m torch.distributed.run
+cmd=("$PYTHON" -m stem_megatron.torchrun
      --nnodes "$NNODES" --nproc_per_node "$NPROC"
      --rdzv_id "$SLURM_JOB_ID" --rdzv_backend c10d --rdzv_endpoint "$MASTER_ADDR:$MASTER_PORT"
      -m stem_megatron.train "${OVERRIDES[@]}")
@@ -153,4 +167,7 @@ while :; do
   kill -0 "$srun_pid" 2>/dev/null || break  # otherwise `wait` was cut short by the trap: keep waiting
 done
 echo "$(date '+%F %T') training exited with status $rc"
+if [ "$stop_requested" = 1 ] && [ -f "$OUT_DIR/stopped.json" ]; then
+  requeue
+fi
 exit "$rc"

@@ -99,6 +99,7 @@ class TrainConfig:
     seed: int = 1234
     log_interval: int = 1
     exit_after_steps: Optional[int] = None  # stop (after saving a checkpoint) once this job ran this many steps
+    stop_deadline_s: float = 110.0  # after SIGTERM/SIGUSR1: exit at once if the step and its save take longer
     eval_interval: int = 0  # validation loss every this many steps (0: after the last step only)
     eval_iters: int = 2  # global batches of the validation split per evaluation (0: no validation)
 
@@ -163,6 +164,7 @@ class CheckpointConfig:
 
     dir: Optional[str] = None  # None: <out_dir>/checkpoints
     save_interval: int = 0  # save every this many steps (0: only after the last step)
+    save_interval_min: float = 0.0  # also save once this many minutes passed since the last save (0: not by time)
     save: bool = True  # false: no checkpoint at all, not even after the last step (benchmarks)
     keep: int = 2  # complete checkpoints kept (0: all)
     resume: bool = True  # continue from <dir>/latest when it exists
@@ -316,6 +318,8 @@ def validate_layout(cfg: RunConfig, world_size: int) -> int:
     _check(c.save_interval >= 0, "checkpoint.save_interval", "must be >= 0 (0: save after the last step)")
     _check(c.save or not c.save_interval, "checkpoint.save_interval",
            f"{c.save_interval} asks for checkpoints, but checkpoint.save=false writes none: set one or the other")
+    _check(c.save_interval_min >= 0, "checkpoint.save_interval_min", "must be >= 0 (0: not by time)")
+    _check(t.stop_deadline_s > 0, "train.stop_deadline_s", "must be > 0 (seconds from a stop signal to exiting)")
     _check(c.save or t.exit_after_steps is None, "train.exit_after_steps",
            "stops a job to continue later from its checkpoint, but checkpoint.save=false writes none: set "
            "checkpoint.save=true")

@@ -3,8 +3,9 @@
 ``tools/slurm_local.sh`` installs and starts it (run here when we are root; it returns at once when the
 cluster is already up). ``slurm/pretrain_1b.sh`` (a multi-node GPU script) then runs a tiny CPU job with
 the overrides docs/cluster.md gives: 2 processes under torchrun's c10d rendezvous, launched by srun, and
-a requeue on SIGUSR1 (what ``--signal=B:USR1@120`` sends before the time limit) restarts the job, which
-resumes from its latest checkpoint. A GPU job whose venv has CPU torch stops before srun, naming the fix.
+SIGUSR1 (what ``--signal=B:USR1@120`` sends before the time limit) stops training with a checkpoint and
+requeues the job, which resumes from it with no step redone. A GPU job whose venv has CPU torch stops before
+srun, naming the fix.
 The jobs keep STEM tables on the device so they do not wait for DeepSpeed's CPU Adam to JIT-compile.
 """
 
@@ -120,31 +121,35 @@ def wait_for(predicate, timeout, what, job_id=None, log=None):
     raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
-def test_usr1_requeues_and_resumes(slurm, corpus, tmp_path):
+def test_usr1_stops_training_with_a_checkpoint_then_requeues_and_redoes_no_step(slurm, corpus, tmp_path):
+    """What --signal=B:USR1@120 does shortly before the time limit: USR1 to the batch shell only, which passes it
+    to the training processes (srun, our torchrun); they save after the step every rank agrees on, and the requeued
+    job resumes there. No checkpoint by interval: the one it resumes from is the stop's."""
     out = tmp_path / "run"
-    proc = submit(tmp_path, *SBATCH_CPU, str(SCRIPT), *tiny(corpus, out, 100_000), "checkpoint.save_interval=3")
+    proc = submit(tmp_path, *SBATCH_CPU, str(SCRIPT), *tiny(corpus, out, 100_000), "checkpoint.save_interval=100000")
     assert proc.returncode == 0, proc.stderr
     job_id = proc.stdout.strip().split(";")[0]
     log = tmp_path / "logs" / f"pretrain_1b-{job_id}.out"
     metrics = out / "metrics.jsonl"
     latest = out / "checkpoints" / "latest"
     try:
-        wait_for(latest.exists, 180, "the first checkpoint", job_id, log)
-        # what --signal=B:USR1@120 does shortly before the time limit: USR1 to the batch shell only
+        wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 3, 180, "three steps",
+                 job_id, log)
         subprocess.run(["scancel", "--batch", "--signal=USR1", job_id], check=True)
         requeued = {"Restarts": "1", "JobState": "PENDING"}
-        wait_for(lambda: requeued.items() <= job_info(job_id).items(), 60, "the requeue")
+        wait_for(lambda: requeued.items() <= job_info(job_id).items(), 120, "the requeue", job_id, log)
         saved = int(latest.read_text().strip().removeprefix("step_"))
+        first = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
+        assert first == list(range(1, saved + 1)), "the stopped job trained steps its checkpoint does not hold"
         # slurm holds a requeued job back ~2 minutes (Reason=BeginTime); let it start now
         subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], check=True)
         wait_for(lambda: "resumed from" in log.read_text() and len(metrics.read_text().splitlines()) > saved + 1,
                  180, "the resumed run's steps", job_id, log)
         text = log.read_text()  # --open-mode=append: both attempts in one log
+        assert f"stopped after step {saved} on SIGUSR1" in text
         assert f"requeueing job {job_id} (restart 1)" in text
         assert "restart 0:" in text and "restart 1:" in text
         assert f"after step {saved}" in text
-        first = [json.loads(line)["step"] for line in (out / "metrics.attempt0.jsonl").read_text().splitlines()]
-        assert first[0] == 1 and first[-1] >= saved
         steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
         assert steps == list(range(1, len(steps) + 1))  # continued from the checkpoint, nothing repeated
         assert job_info(job_id)["JobState"] == "RUNNING"

@@ -20,6 +20,7 @@ from stem_megatron.model.hash_moe import take_moe_stats
 from stem_megatron.training import collective_audit, sync_audit
 from stem_megatron.training.data_stream import batch_stream, run_datasets
 from stem_megatron.training.metrics_file import MetricsWriter
+from stem_megatron.training.preemption import StopSignals
 from stem_megatron.training.profiling import profiled
 from stem_megatron.training.setup import Trainer, setup_model
 from stem_megatron.training.spikes import SpikeDetector
@@ -59,6 +60,17 @@ def _resume(cfg: RunConfig, trainer: Trainer, detector: SpikeDetector) -> int:
     return 0
 
 
+STOPPED = "stopped.json"  # in out_dir while the run is stopped by a signal: the launcher requeues such a job
+
+
+def _say_stopped(path: Path, step: int, sig, saved) -> None:
+    """One line, and ``STOPPED`` for the launcher (rank 0)."""
+    path.write_text(json.dumps({"step": step, "signal": sig.name, "checkpoint": str(saved) if saved else None}))
+    where = (f"checkpoint {saved}; the same command resumes there" if saved else
+             "no checkpoint (checkpoint.save=false)")
+    print(f"stopped after step {step} on {sig.name}: {where}", flush=True)
+
+
 def _train(cfg: RunConfig, dp: int) -> list[dict]:
     t = cfg.train
     rank0 = dist.get_rank() == 0
@@ -83,9 +95,15 @@ def _train(cfg: RunConfig, dp: int) -> list[dict]:
     peak_tflops = lg.peak_tflops or device_peak_tflops()
     records = []
     tokens_per_step = t.global_batch_size * cfg.model.seq_length
-    with WandbTracker(cfg.out_dir, dataclasses.asdict(cfg), project=lg.project, mode=lg.wandb_mode,
-                      name=lg.run_name, tags=lg.tags, entity=lg.entity, group=lg.group,
-                      enabled=rank0 and lg.wandb) as tracker, \
+    c = cfg.checkpoint
+    stopped_file = Path(cfg.out_dir) / STOPPED
+    if rank0:
+        stopped_file.unlink(missing_ok=True)  # an earlier job's stop: this one resumed from it
+    signals = StopSignals(t.stop_deadline_s, dist.new_group(backend="gloo"))  # every rank, here: a collective
+    saved_at, stopped = time.monotonic(), None
+    with signals, WandbTracker(cfg.out_dir, dataclasses.asdict(cfg), project=lg.project, mode=lg.wandb_mode,
+                               name=lg.run_name, tags=lg.tags, entity=lg.entity, group=lg.group,
+                               enabled=rank0 and lg.wandb) as tracker, \
             batch_stream(train_data, cfg, dp, trainer.store, n_micro, start_step=resumed, steps=last - resumed) as data:
         for step in range(resumed + 1, last + 1):
             start = time.perf_counter()
@@ -106,19 +124,30 @@ def _train(cfg: RunConfig, dp: int) -> list[dict]:
             if t.eval_iters and (step == t.steps or (t.eval_interval and step % t.eval_interval == 0)):
                 record.update(validation_loss(trainer, valid_data, cfg, dp))
             records.append(record)
+            decided = signals.decided()
             if record["loss_spike"] and rank0 and record["loss_spike_size"] is not None:
                 print(f"loss spike at step {step}: {record['loss']:.4f} is {record['loss_spike_size']:.1f} "
                       f"std above the recent losses ({record['loss_spike_count']} so far)", flush=True)
-            if step % t.log_interval == 0 or step == t.steps or record["loss_spike"] or "valid_loss" in record:
+            if (step % t.log_interval == 0 or step == t.steps or record["loss_spike"] or "valid_loss" in record
+                    or decided.stop):
                 writer.log(record)
                 tracker.log(record)
-            c = cfg.checkpoint
-            if c.save and (step == last or (c.save_interval and step % c.save_interval == 0)):
+            saved = None
+            if c.save and (step == last or (c.save_interval and step % c.save_interval == 0) or decided.save_due
+                           or decided.stop):
                 saved = checkpoints.save(cfg, trainer, detector, step)
+                saved_at = time.monotonic()
                 if rank0:
                     print(f"saved checkpoint {saved}", flush=True)
+            if decided.stop and step < last:
+                stopped = step
+                if rank0:
+                    _say_stopped(stopped_file, step, decided.stop, saved)
+                break
+            due = c.save_interval_min > 0 and time.monotonic() - saved_at >= 60 * c.save_interval_min
+            signals.send(save_due=due)
     writer.close()
-    if cfg.checkpoint.export and last == t.steps and resumed < t.steps:  # a finished run exported already
+    if cfg.checkpoint.export and last == t.steps and resumed < t.steps and stopped is None:  # exported already
         tokenizer = Path(cfg.data.dir) / "tokenizer.json"
         export(cfg, trainer, Path(cfg.checkpoint.export), tokenizer if tokenizer.exists() else None)
     return records
