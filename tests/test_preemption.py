@@ -6,6 +6,7 @@ every rank. The SLURM path (the job script forwards SIGUSR1, the job is requeued
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -83,6 +84,9 @@ def _stop_and_resume(corpus, tmp_path, parallel, nnodes, nproc, sig, target):
         agents[0].send_signal(sig)
         codes[0] = 0 if target == "process" else 128 + sig
     stdout, _ = _finish(agents, codes)
+    # the operator's view (training/run_summary.py) at start and in a step line
+    assert f"layout: {nnodes} node(s) x {nproc} CPU rank(s)" in stdout and "\nmemory plan: " in stdout
+    assert re.search(r"\nstep +4/12 .* tokens/s \d+  mem [\d.]+ GiB  eta \d+m\d\ds\n", stdout), stdout
     stopped = json.loads((out / "stopped.json").read_text())
     step = stopped["step"]
     assert 4 <= step < STEPS and stopped["signal"] == sig.name, stopped

@@ -22,6 +22,7 @@ from stem_megatron.training.data_stream import batch_stream, run_datasets
 from stem_megatron.training.metrics_file import MetricsWriter
 from stem_megatron.training.preemption import StopSignals
 from stem_megatron.training.profiling import profiled
+from stem_megatron.training.run_summary import StepClock, start_block
 from stem_megatron.training.setup import Trainer, setup_model
 from stem_megatron.training.spikes import SpikeDetector
 from stem_megatron.training.step import train_step
@@ -88,6 +89,9 @@ def _train(cfg: RunConfig, dp: int) -> list[dict]:
     n_micro = t.global_batch_size // (t.micro_batch_size * dp)
     if rank0:
         print(f"run directory: {cfg.out_dir}", flush=True)
+        for line in start_block(cfg, dist.get_world_size(), int(os.environ.get("LOCAL_WORLD_SIZE", 1)),
+                                parallel.on_gpu()):
+            print(line, flush=True)
         Path(cfg.out_dir).mkdir(parents=True, exist_ok=True)
         (Path(cfg.out_dir) / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
     writer = MetricsWriter(cfg.out_dir, rank0, t.steps, resume_step=resumed)
@@ -100,7 +104,7 @@ def _train(cfg: RunConfig, dp: int) -> list[dict]:
     if rank0:
         stopped_file.unlink(missing_ok=True)  # an earlier job's stop: this one resumed from it
     signals = StopSignals(t.stop_deadline_s, dist.new_group(backend="gloo"))  # every rank, here: a collective
-    saved_at, stopped = time.monotonic(), None
+    saved_at, stopped, clock = time.monotonic(), None, StepClock(last)
     with signals, WandbTracker(cfg.out_dir, dataclasses.asdict(cfg), project=lg.project, mode=lg.wandb_mode,
                                name=lg.run_name, tags=lg.tags, entity=lg.entity, group=lg.group,
                                enabled=rank0 and lg.wandb) as tracker, \
@@ -114,7 +118,7 @@ def _train(cfg: RunConfig, dp: int) -> list[dict]:
                                  cfg.model.vocab_size)
             elapsed = time.perf_counter() - start
             record = {"step": step, **out, "step_time_s": elapsed, "tokens": step * tokens_per_step,
-                      "tokens_per_s": tokens_per_step / elapsed}
+                      "tokens_per_s": tokens_per_step / elapsed, **clock.tick(step)}
             if trainer.store is not None:
                 record.update(trainer.store.take_stats(), stem_prefetch_wait_s=data.take_wait_s())
             record.update(take_moe_stats(trainer.model))

@@ -6,6 +6,8 @@ import json
 import math
 from pathlib import Path
 
+from stem_megatron.training.run_summary import eta_text
+
 
 class MetricsWriter:
     """Appends step records; only the writing rank creates it (others pass ``enabled=False``)."""
@@ -35,11 +37,13 @@ class MetricsWriter:
         if not self.enabled:
             return
         self._file.write(json.dumps(record) + "\n")
-        gn = record.get("grad_norm")
+        gn, mfu = record.get("grad_norm"), record.get("mfu")
         print(
             f"step {record['step']:>6}/{self.total_steps}  loss {record['loss']:.4f}  "
             f"lr {record['lr']:.2e}  grad_norm {gn if gn is None else f'{gn:.3f}'}  "
             f"tokens/s {record['tokens_per_s']:.0f}"
+            + (f"  mfu {100 * mfu:.1f}%" if mfu is not None else "")
+            + (f"  mem {record['memory_gib']:.1f} GiB  eta {eta_text(record['eta_s'])}" if "eta_s" in record else "")
             + (f"  valid_loss {record['valid_loss']:.4f}  valid_ppl {record['valid_ppl']:.1f}"
                if "valid_loss" in record else ""),
             flush=True,
