@@ -16,6 +16,9 @@ that raises it; any other warning, ours (e.g. ``cpu_compat``'s version notice) o
   ``cpu_compat``'s function mode (one line, so the default action showed only the first access anyway)
 - "`torch.distributed.reduce_scatter_tensor` / `all_gather_into_tensor` is deprecated": megatron's DDP and
   distributed optimizer call them (our code does not); a megatron upgrade's concern, not a run's
+- "torch.distributed is disabled ... assuming the intent is to load in a single process" and "The argument order of
+  load has been changed": torch's, on every resume, because megatron's dist-checkpointing load passes
+  ``no_dist=True`` (each rank reads its own shards, by design) and its storage reader by position
 - log records, by logger and message start: "GPTModel IS DEPRECATED" (megatron-core 0.19 asks new code to use
   ``HybridModel``; ``GPTModel`` is supported and still megatron's GPT, docs/ARCHITECTURE.md), "MCore's async save is
   deprecated" (megatron's synchronous ``dist_checkpointing.save`` runs through its own deprecated async path), and
@@ -43,6 +46,9 @@ _WARNINGS = (  # (message, category, module): regular expressions matched at the
      r"(megatron\.core\.optimizer\.optimizer|stem_megatron\.cpu_compat)$"),
     (r"`torch\.distributed\.(reduce_scatter_tensor|all_gather_into_tensor)` is deprecated", FutureWarning,
      r"torch\.distributed\.c10d_logger$"),
+    (r"torch\.distributed is disabled, unavailable or uninitialized, assuming the intent is to load in a single "
+     r"process", UserWarning, r"torch\.distributed\.checkpoint\.utils$"),
+    (r"The argument order of load has been changed", UserWarning, r"torch\.distributed\.checkpoint\.logger$"),
 )
 _CPU_ONLY_WARNINGS = (
     (r"When using (async grad allreduce|sequence parallelism) it is recommended to set the environment variable "
