@@ -79,6 +79,7 @@ class ParallelConfig:
     expert_model_parallel_size: int = 1  # Hash-MoE experts spread over this many ranks (no expert TP)
     sequence_parallel: bool = False  # megatron sequence parallelism (required by its MoE layer with TP)
     use_distributed_optimizer: bool = True
+    ddp_bucket_size: Optional[int] = None  # elements per DDP gradient bucket (None: one bucket a buffer)
 
 
 @dataclass
@@ -318,6 +319,8 @@ def validate_layout(cfg: RunConfig, world_size: int) -> int:
     _check(c.save_interval >= 0, "checkpoint.save_interval", "must be >= 0 (0: save after the last step)")
     _check(c.save or not c.save_interval, "checkpoint.save_interval",
            f"{c.save_interval} asks for checkpoints, but checkpoint.save=false writes none: set one or the other")
+    _check(cfg.parallel.ddp_bucket_size is None or cfg.parallel.ddp_bucket_size >= 1, "parallel.ddp_bucket_size",
+           "must be >= 1 element (or null: one bucket)")
     _check(c.save_interval_min >= 0, "checkpoint.save_interval_min", "must be >= 0 (0: not by time)")
     _check(t.stop_deadline_s > 0, "train.stop_deadline_s", "must be > 0 (seconds from a stop signal to exiting)")
     _check(c.save or t.exit_after_steps is None, "train.exit_after_steps",

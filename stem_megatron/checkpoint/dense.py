@@ -10,6 +10,7 @@ not parameters of the model and are saved separately (``host_tables``).
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import torch
@@ -17,6 +18,7 @@ from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.validation import StrictHandling
 
 from stem_megatron.checkpoint.atomic import CheckpointError
+from stem_megatron.checkpoint.bucket_offsets import unpadded_offsets
 
 # How megatron lays out the state (stored with the checkpoint; loading must request the same).
 # non_homogeneous_layers: STEM and dense layers have different MLPs, so layers are keyed one by one
@@ -28,8 +30,9 @@ METADATA = {"distrib_optim_sharding_type": "fully_reshardable", "singleton_local
 def _sharded(model, optimizer, is_loading: bool) -> dict:
     stage = model.module  # the GPTModel inside megatron's DDP wrapper
     model_sd = stage.sharded_state_dict(metadata=METADATA)
-    return {"model": model_sd,
-            "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=METADATA)}
+    with contextlib.nullcontext() if is_loading else unpadded_offsets(optimizer):
+        return {"model": model_sd,
+                "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=METADATA)}
 
 
 def save(model, optimizer, directory: Path) -> None:

@@ -17,9 +17,10 @@ from stem_megatron.config import ParallelConfig, TrainConfig
 
 
 def wrap_ddp(model: torch.nn.Module, config: TransformerConfig, parallel: ParallelConfig) -> DistributedDataParallel:
-    """megatron-core DDP: contiguous fp32 grad buffers, one all-reduce (or reduce-scatter) per bucket (one bucket:
-    ``overlap_grad_reduce`` is off). With the distributed optimizer the buffers' layout (each parameter's place in
-    its DP shard) is computed here from the DP group sizes, as megatron-core >= 0.19 asks of a caller."""
+    """megatron-core DDP: contiguous fp32 grad buffers, one all-reduce (or reduce-scatter) per bucket
+    (``parallel.ddp_bucket_size``; default one bucket, ``overlap_grad_reduce`` is off). With the distributed optimizer
+    the buffers' layout (each parameter's place in its DP shard) is computed here from the DP group sizes, as
+    megatron-core >= 0.19 asks of a caller; its checkpoints with several buckets: checkpoint/bucket_offsets.py."""
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
         overlap_grad_reduce=False,
@@ -28,7 +29,7 @@ def wrap_ddp(model: torch.nn.Module, config: TransformerConfig, parallel: Parall
     layout = None
     if ddp_config.use_distributed_optimizer:
         layout = DistributedOptimizer.compute_full_param_layout(
-            [p for p in model.parameters() if p.requires_grad], None,
+            [p for p in model.parameters() if p.requires_grad], parallel.ddp_bucket_size,
             parallel_state.get_data_parallel_world_size(with_context_parallel=True),
             ddp_config, expert_data_parallel_world_size=parallel_state.get_expert_data_parallel_world_size())
     return DistributedDataParallel(config=config, ddp_config=ddp_config, module=model, full_param_layout=layout)
