@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import os
 import signal
-import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -69,7 +68,7 @@ class StopSignals:
         self._pending = None
 
     def _handle(self, signum: int, frame) -> None:
-        """No printing here: the handler may run inside a print of the main thread (a reentrant write raises)."""
+        """No print here: the handler may run inside a print of the main thread (a reentrant write raises)."""
         now = time.monotonic()
         if self.received is None:
             self.received, self._first_at = signal.Signals(signum), now
@@ -80,8 +79,9 @@ class StopSignals:
             self._exit_now(signum, "a second signal")
 
     def _exit_now(self, signum: int, why: str) -> None:
-        print(f"[rank {os.environ.get('RANK', 0)}] stopping at once ({why} after {self.received.name}): the last "
-              f"complete checkpoint is where the next run resumes", file=sys.stderr, flush=True)
+        """An unbuffered write: this may run in the handler, inside a print of the main thread."""
+        os.write(2, f"[rank {os.environ.get('RANK', 0)}] stopping at once ({why} after {self.received.name}): the "
+                    f"last complete checkpoint is where the next run resumes\n".encode())
         os._exit(128 + signum)
 
     def decided(self) -> Decision:
