@@ -48,10 +48,13 @@ def start_block(cfg: RunConfig, world: int, ranks_per_node: int, gpu: bool) -> l
              f"sequence {m.seq_length}; {_count(counts['total'] - counts['tables'])} dense parameters"
              + (f" + {_count(counts['tables'])} in STEM tables" if counts["tables"] else "")]
     if replaced:
-        where = (f"in host memory ({s.shm_dir}), {s.optimizer} AdamW on the CPU" if s.placement == "host"
-                 else "on the device, with the model's optimizer") if s.variant != "hash_moe" else "experts"
-        lines.append(f"{s.variant} in layer(s) {', '.join(map(str, replaced))} of {m.num_layers}"
-                     + (f": tables {where}" if s.variant != "hash_moe" else f": {s.num_experts} hashed experts"))
+        if s.variant == "hash_moe":
+            what = f"{s.num_experts} hashed experts"
+        elif s.placement == "host":
+            what = f"tables in host memory ({s.shm_dir}), {s.optimizer} AdamW on the CPU"
+        else:
+            what = "tables on the device, with the model's optimizer"
+        lines.append(f"{s.variant} in layer(s) {', '.join(map(str, replaced))} of {m.num_layers}: {what}")
     micro = t.global_batch_size // (t.micro_batch_size * dp)
     lines.append(f"layout: {nodes} node(s) x {ranks_per_node} {'GPU' if gpu else 'CPU'} rank(s), TP={tp} PP={pp} "
                  f"DP={dp} EP={ep}; global batch {t.global_batch_size} = {t.micro_batch_size} x DP {dp} x "
