@@ -46,7 +46,9 @@ def start_block(cfg: RunConfig, world: int, ranks_per_node: int, gpu: bool) -> l
     dp, nodes = world // (tp * pp), max(1, world // ranks_per_node)
     lines = [f"model: {m.num_layers} layers, d {m.hidden_size}, d_ff {m.ffn_hidden_size}, V {m.vocab_size}, "
              f"sequence {m.seq_length}; {_count(counts['total'] - counts['tables'])} dense parameters"
-             + (f" + {_count(counts['tables'])} in STEM tables" if counts["tables"] else "")]
+             + (f" + {_count(counts['tables'])} in STEM tables" if counts["tables"] else "")
+             + (f" ({_count(counts['inactive_experts'])} in experts a token does not run)"
+                if counts["inactive_experts"] else "")]
     if replaced:
         if s.variant == "hash_moe":
             what = f"{s.num_experts} hashed experts"
