@@ -54,6 +54,17 @@ def launcher_node() -> int:
     return 0
 
 
+def host_threads(device: torch.device) -> int:
+    """OpenMP threads of each of this rank's host threads (CPU Adam, the row prefetch), set by each thread for
+    itself: a new thread otherwise runs with OpenMP's default, one thread under torchrun. On GPU the node's cores
+    shared by its ranks (ranks x threads = cores; the training thread mostly waits on the device, and the prefetch
+    and Adam threads work at different times of the step), on CPU the training thread's count (the launcher's
+    cores / ranks, as compute needs them too). Call it on the training thread."""
+    if device.type != "cuda":
+        return torch.get_num_threads()
+    return max(1, len(os.sched_getaffinity(0)) // int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+
+
 def node_layout(dp_ranks: Sequence[int]) -> NodeLayout:
     """Collective over the world: every rank passes the global ranks of its DP group.
 

@@ -19,7 +19,8 @@ from typing import Iterator
 import torch
 
 from stem_megatron.data.integrity import check_token_ids
-from stem_megatron.host_tables.store import HostTableStore, host_threads
+from stem_megatron.host_tables.node import host_threads
+from stem_megatron.host_tables.store import HostTableStore
 
 
 class _Failed:

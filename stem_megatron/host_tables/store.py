@@ -23,7 +23,6 @@ A step, as driven by the training loop and the prefetcher:
 
 from __future__ import annotations
 
-import os
 import secrets
 from typing import Optional
 
@@ -37,7 +36,7 @@ from megatron.core.transformer.transformer_layer import get_transformer_layer_of
 from stem_megatron.config import RunConfig
 from stem_megatron.host_tables.cache import HotRowCache
 from stem_megatron.host_tables.exchange import DTYPES, RowExchange
-from stem_megatron.host_tables.node import SHM_DIR, node_layout, shared_tensors
+from stem_megatron.host_tables.node import SHM_DIR, host_threads, node_layout, shared_tensors
 from stem_megatron.host_tables.ownership import RowOwnership
 from stem_megatron.host_tables.pinned import cache_staging_bytes, landed, landing_rows, staging_bytes
 from stem_megatron.host_tables.row_adam import RowAdam
@@ -381,17 +380,6 @@ class HostTableStore:
         out["stem_cache_hit_rate"] = hits / lookups if lookups else None
         out["stem_host_table_bytes"] = self.host_bytes
         return out
-
-
-def host_threads(device: torch.device) -> int:
-    """OpenMP threads of each of this rank's host threads (CPU Adam, the row prefetch), set by each thread for
-    itself: a new thread otherwise runs with OpenMP's default, one thread under torchrun. On GPU the node's cores
-    shared by its ranks (ranks x threads = cores; the training thread mostly waits on the device, and the prefetch
-    and Adam threads work at different times of the step), on CPU the training thread's count (the launcher's
-    cores / ranks, as compute needs them too). Call it on the training thread."""
-    if device.type != "cuda":
-        return torch.get_num_threads()
-    return max(1, len(os.sched_getaffinity(0)) // int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
 
 
 def build_store(cfg: RunConfig, tconfig: TransformerConfig, device: torch.device) -> HostTableStore:
