@@ -107,6 +107,10 @@ def test_gpu_job_where_torch_sees_no_gpu_stops_before_srun(slurm, corpus, tmp_pa
     assert "srun:" not in text and not (tmp_path / "run").exists()
 
 
+def _node_states() -> list[str]:
+    return subprocess.run(["sinfo", "-h", "-N", "-o", "%t"], capture_output=True, text=True).stdout.split()
+
+
 def wait_for(predicate, timeout, what, job_id=None, log=None):
     """Poll ``predicate``; with ``job_id``, fail at once with the job's log when the job has ended."""
     end = time.monotonic() + timeout
@@ -141,7 +145,10 @@ def test_usr1_stops_training_with_a_checkpoint_then_requeues_and_redoes_no_step(
         saved = int(latest.read_text().strip().removeprefix("step_"))
         first = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
         assert first == list(range(1, saved + 1)), "the stopped job trained steps its checkpoint does not hold"
-        # slurm holds a requeued job back ~2 minutes (Reason=BeginTime); let it start now
+        # slurm holds a requeued job back ~2 minutes (Reason=BeginTime); let it start now, once the node is done
+        # with the first attempt (the script requeued its job as it ended: started at once, the new attempt would
+        # find the old one's credential revoked)
+        wait_for(lambda: _node_states() == ["idle"], 60, "the node to be idle")
         subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], check=True)
         wait_for(lambda: "resumed from" in log.read_text() and len(metrics.read_text().splitlines()) > saved + 1,
                  180, "the resumed run's steps", job_id, log)
