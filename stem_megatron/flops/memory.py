@@ -316,11 +316,18 @@ def print_plan(result: dict, title: str, machine: Optional[tuple[str, int, int]]
               "estimate (docs/memory.md)" + ("" if lay["transformer_engine"] else "; without Transformer Engine"))
     if machine:
         directory, free, available = machine
-        most = max(result["nodes"], key=lambda n: n["total"])
-        shared = sum(most["shared"].values())
-        verdict = "fits" if shared <= free and most["total"] <= available else "does NOT fit"
+        most, shared, fits = neediest_node(result, free, available)
         print(f"this machine: {directory} {free / GIB:.2f} GiB free, MemAvailable {available / GIB:.2f} GiB; node "
-              f"{most['node']} needs {shared / GIB:.2f} GiB shared, {most['total'] / GIB:.2f} GiB in all: {verdict}")
+              f"{most['node']} needs {shared / GIB:.2f} GiB shared, {most['total'] / GIB:.2f} GiB in all: "
+              f"{'fits' if fits else 'does NOT fit'}")
+
+
+def neediest_node(result: dict, free: int = 0, available: int = 0) -> tuple[dict, int, bool]:
+    """The plan's node that needs most, its shared bytes, and whether ``free`` shared-memory bytes and ``available``
+    memory hold it."""
+    most = max(result["nodes"], key=lambda n: n["total"])
+    shared = sum(most["shared"].values())
+    return most, shared, shared <= free and most["total"] <= available
 
 
 def _table(head: str, columns: list[str], parts: dict, values: list[dict], totals: list[int]) -> None:

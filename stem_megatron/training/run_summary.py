@@ -20,7 +20,7 @@ import torch
 
 from stem_megatron.config import RunConfig
 from stem_megatron.flops.arch import arch_from_model_config
-from stem_megatron.flops.memory import GIB, Layout, plan
+from stem_megatron.flops.memory import GIB, Layout, neediest_node, plan
 from stem_megatron.flops.params import analytic_parameters
 from stem_megatron.flops.variants import variant_from_stem_config
 from stem_megatron.host_tables.node import free_space
@@ -71,12 +71,11 @@ def _memory_line(cfg: RunConfig, layout: Layout, gpu: bool) -> str:
         result = plan(cfg, layout)
     except ValueError as e:  # a layout the plan does not model (e.g. stages spread unevenly over nodes)
         return f"memory plan: not computed ({e})"
-    most = max(result["nodes"], key=lambda n: n["total"])
-    shared = sum(most["shared"].values())
+    most, shared, _ = neediest_node(result)
     line = f"memory plan: {_size(most['total'])} a node, {_size(shared)} of it shared in {cfg.stem.shm_dir}"
     if os.path.isdir(cfg.stem.shm_dir):
         free, available = free_space(cfg.stem.shm_dir)
-        fits = shared <= free and most["total"] <= available
+        _, _, fits = neediest_node(result, free, available)
         line += (f"; this node: MemAvailable {_size(available)}, {_size(free)} free there: "
                  f"{'fits' if fits else 'does NOT fit'}")
     if gpu:
