@@ -98,7 +98,8 @@ def test_offline_setup_reuses_the_nodes_torch(tmp_path):
     assert len(before) > 1000  # every file of the torch wheel
 
     house = tmp_path / "wheelhouse"
-    proc = subprocess.run([sys.executable, "tools/wheelhouse.py", "--wheelhouse", str(house), "--freeze", str(freeze)],
+    proc = subprocess.run(["make", "--no-print-directory", "wheelhouse", f"WHEELHOUSE={house}",
+                           f"TARGET_FREEZE={freeze}", f"PYTHON={sys.executable}"],
                           capture_output=True, text=True, cwd=ROOT, timeout=900)
     assert proc.returncode == 0, proc.stderr
     wheels = sorted(house.glob("*.whl"))
