@@ -1,4 +1,6 @@
-"""The STEM row exchange sent during backward (``stem.overlap_exchange=true``) vs after it, side by side.
+"""Communication overlapped with backward vs after it, side by side: the STEM row exchange
+(``--what exchange``: ``stem.overlap_exchange``) or megatron DDP's bucket reductions and weight all-gathers
+(``--what dp``: ``parallel.overlap_grad_reduce`` and ``overlap_param_gather``, buckets of ``--bucket`` elements).
 
 Two torchrun agents on this host are two nodes (DP=2 across them, one process each): the tiny model,
 STEM-1/3, 2 micro-batches per rank and step, trained on documents whose token ids are drawn from a real
@@ -9,7 +11,7 @@ time, the time the step waited for the exchange (``stem_exchange_wait_s``) and t
 itself took (``stem_exchange_s``, inside backward when overlapped), and whether both settings
 produced the same losses bit for bit.
 
-Run: ``.venv/bin/python benchmarks/exchange_overlap.py [--rounds 2] [--steps 15] [--json out.json]``
+Run: ``.venv/bin/python benchmarks/exchange_overlap.py [--what dp] [--rounds 2] [--steps 15] [--json out.json]``
 (about 6 minutes here).
 """
 
@@ -60,14 +62,22 @@ def write_corpus(out: Path, counts: np.ndarray, tokens: int, doc_tokens: int = 5
     return vocab
 
 
-def train(out_dir: Path, corpus: Path, vocab: int, steps: int, overlap: bool) -> list[dict]:
+def overlap_settings(what: str, overlap: bool, bucket: int) -> list[str]:
+    on = str(overlap).lower()
+    if what == "exchange":
+        return [f"stem.overlap_exchange={on}"]
+    return [f"parallel.overlap_grad_reduce={on}", f"parallel.overlap_param_gather={on}",
+            f"parallel.ddp_bucket_size={bucket}"]
+
+
+def train(out_dir: Path, corpus: Path, vocab: int, steps: int, settings: list[str]) -> list[dict]:
     """One run on two torchrun agents (two nodes); its metrics.jsonl records."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1",
            "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{get_free_port()}", "--rdzv_id=overlap",
            "-m", "stem_megatron.train", "parallel=dp2", f"model.vocab_size={vocab}", f"data.vocab_size={vocab}",
            f"data.dir={corpus}", f"train.steps={steps}", "train.micro_batch_size=4", "train.global_batch_size=16",
            "train.eval_iters=0", "checkpoint.resume=false", "checkpoint.save_interval=0", f"out_dir={out_dir}",
-           f"stem.overlap_exchange={str(overlap).lower()}"]
+           *settings]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     agents = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO)
               for _ in range(2)]
@@ -80,20 +90,24 @@ def train(out_dir: Path, corpus: Path, vocab: int, steps: int, overlap: bool) ->
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--what", choices=("exchange", "dp"), default="exchange")
+    ap.add_argument("--bucket", type=int, default=2_000_000, help="--what dp: elements per DDP bucket")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--steps", type=int, default=15)
     ap.add_argument("--skip", type=int, default=3, help="first steps of each run left out (start-up)")
     ap.add_argument("--counts", type=Path, default=DEFAULT_COUNTS)
-    ap.add_argument("--out", type=Path, default=REPO / "runs" / "bench_exchange_overlap")
+    ap.add_argument("--out", type=Path, default=REPO / "runs" / "bench_overlap")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
     counts = load_counts(args.counts)
     tokens = args.steps * 16 * 128 + 64 * 512  # every step's samples, with room for megatron's packing
-    vocab = write_corpus(args.out / "corpus", counts, tokens)
+    corpus = args.out / "corpus"
+    vocab = write_corpus(corpus, counts, tokens)
     runs = {False: [], True: []}
     for r in range(args.rounds):
         for overlap in (False, True):
-            runs[overlap].append(train(args.out / f"run{r}_{overlap}", args.out / "corpus", vocab, args.steps, overlap))
+            runs[overlap].append(train(args.out / args.what / f"run{r}_{overlap}", corpus, vocab, args.steps,
+                                       overlap_settings(args.what, overlap, args.bucket)))
     result = {}
     for overlap, records in runs.items():
         steps = [s for run in records for s in run[args.skip:]]
@@ -102,10 +116,12 @@ def main(argv=None) -> None:
             for key in ("step_time_s", "stem_exchange_wait_s", "stem_exchange_s", "stem_layers_sent_in_backward",
                         "stem_node_bytes_sent")}
     same = all([s["loss"] for s in a] == [s["loss"] for s in b] for a, b in zip(runs[False], runs[True]))
-    result.update(vocab=vocab, rounds=args.rounds, steps=args.steps, losses_identical=same,
+    result.update(what=args.what, vocab=vocab, rounds=args.rounds, steps=args.steps, losses_identical=same,
                   step_time_ratio=result["on"]["step_time_s"] / result["off"]["step_time_s"])
+    overlapped = ("the row exchange" if args.what == "exchange"
+                  else f"DDP's reductions and weight all-gathers, buckets of {args.bucket:,} elements")
     print(f"2 nodes x DP, tiny STEM-1/3, V={vocab:,} (ids from {args.counts.name}), 2 micro-batches a rank, "
-          f"{args.rounds} runs x {args.steps - args.skip} steps per setting (medians)")
+          f"{args.rounds} runs x {args.steps - args.skip} steps per setting (medians); overlapped: {overlapped}")
     print(f"{'overlap':>8} {'step (s)':>9} {'waited (s)':>11} {'in exchange (s)':>16} {'layers sent in backward':>24} "
           f"{'MB sent per node':>17}")
     for name in ("off", "on"):

@@ -79,7 +79,12 @@ class ParallelConfig:
     expert_model_parallel_size: int = 1  # Hash-MoE experts spread over this many ranks (no expert TP)
     sequence_parallel: bool = False  # megatron sequence parallelism (required by its MoE layer with TP)
     use_distributed_optimizer: bool = True
-    ddp_bucket_size: Optional[int] = None  # elements per DDP gradient bucket (None: one bucket a buffer)
+    # elements per DDP gradient bucket (None: one bucket a buffer, or megatron's default with overlap_grad_reduce)
+    ddp_bucket_size: Optional[int] = None
+    # megatron DDP: each bucket's gradient reduce(-scatter) issued from backward as soon as its last gradient is in,
+    # and (distributed optimizer) the updated weights' all-gather issued bucket by bucket from the next forward
+    overlap_grad_reduce: bool = False
+    overlap_param_gather: bool = False
 
 
 @dataclass
@@ -321,12 +326,19 @@ def validate_layout(cfg: RunConfig, world_size: int) -> int:
            f"{c.save_interval} asks for checkpoints, but checkpoint.save=false writes none: set one or the other")
     _check(cfg.parallel.ddp_bucket_size is None or cfg.parallel.ddp_bucket_size >= 1, "parallel.ddp_bucket_size",
            "must be >= 1 element (or null: one bucket)")
+    _check(not cfg.parallel.overlap_param_gather or (cfg.parallel.overlap_grad_reduce
+                                                     and cfg.parallel.use_distributed_optimizer),
+           "parallel.overlap_param_gather", "needs parallel.overlap_grad_reduce=true and "
+           "parallel.use_distributed_optimizer=true (megatron's all-gather of the weights' DP shards)")
     _check(c.save_interval_min >= 0, "checkpoint.save_interval_min", "must be >= 0 (0: not by time)")
     _check(t.stop_deadline_s > 0, "train.stop_deadline_s", "must be > 0 (seconds from a stop signal to exiting)")
     _check(c.save or t.exit_after_steps is None, "train.exit_after_steps",
            "stops a job to continue later from its checkpoint, but checkpoint.save=false writes none: set "
            "checkpoint.save=true")
     _check(c.keep >= 0, "checkpoint.keep", "must be >= 0 (0: keep every checkpoint)")
+    _check(not c.export or not Path(c.export).exists(), "checkpoint.export",
+           f"{c.export} already exists, and the export after the last step would not replace it: remove it or "
+           "choose another directory")
     _check(not (c.load and c.init_from), "checkpoint.init_from",
            "set either checkpoint.load (resume a run) or checkpoint.init_from (start a new run from "
            "its weights), not both")

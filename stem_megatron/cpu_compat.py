@@ -18,8 +18,9 @@ attention. On a machine without a GPU we redirect exactly those calls to the CPU
 * megatron DDP's bucket collectives with the distributed optimizer (the grad buffer's reduce-scatter, the
   param buffer's all-gather) are identities on a one-rank data-parallel group, where the rank's shard is the
   whole buffer: they are skipped there. gloo would run them through a flat staging copy of the whole bucket
-  (with ``overlap_grad_reduce`` off, one bucket holds every parameter): a transient P x 4 bytes twice a step,
-  the peak of a CPU process whose model dominates its memory (docs/memory.md). NCCL on GPU works in place.
+  (one bucket holds every parameter unless ``parallel.overlap_grad_reduce`` cuts it): a transient P x 4 bytes
+  twice a step, the peak of a CPU process whose model dominates its memory (docs/memory.md). NCCL on GPU works in
+  place.
 
 Checked against megatron-core 0.19.2 with torch 2.13.0 (Python 3.12; the CPU build and the CUDA build on a machine
 without a GPU). It is enabled by

@@ -96,16 +96,34 @@ def test_resume_with_many_ddp_buckets_equals_straight_run(corpus, tmp_path):
     128 elements. The distributed optimizer's state saved at DP=2 after 10 of 20 steps, resumed at DP=2 (bitwise
     the straight run: losses, grad norms, LR, every weight) and at TP=2 (within 1e-4). Without
     ``checkpoint/bucket_offsets.py`` megatron-core 0.19.2 saves each parameter after the first bucket with
-    another's fp32 master and Adam moments, and the resumed runs part from the straight one."""
+    another's fp32 master and Adam moments, and the resumed runs part from the straight one. The straight run and the
+    interrupted one overlap their DP communication (each bucket reduced from backward, the weights all-gathered by
+    the next forward), the resumed one does not: at DP=2 each sum is of the same two numbers. Between an optimizer
+    step and that forward a rank's weights are current only in its DP shard: the save at step 10 and the straight
+    run's export (no checkpoint, no validation before it) gather them first."""
     common = ["stem.placement=device", "model.hidden_size=120", "model.ffn_hidden_size=360",  # not multiples of 128
-              "parallel.ddp_bucket_size=5000", "checkpoint.export=${out_dir}/export"]
-    _train(corpus, tmp_path / "straight", *common, parallel="dp2")
-    _train(corpus, tmp_path / "resumed", *common, "train.exit_after_steps=10", parallel="dp2")
+              "parallel.ddp_bucket_size=5000", "checkpoint.export=${out_dir}/export", "train.eval_iters=0"]
+    overlap = ["parallel.overlap_grad_reduce=true", "parallel.overlap_param_gather=true"]
+    _train(corpus, tmp_path / "straight", *common, *overlap, "checkpoint.save=false", parallel="dp2")
+    _train(corpus, tmp_path / "resumed", *common, *overlap, "train.exit_after_steps=10", parallel="dp2")
+    (stale,) = distributed.run(_weights_unlike_their_masters, 1, tmp_path / "resumed" / "checkpoints" / "step_000010")
+    assert stale == []  # a resume alone would not show stale weights: it loads the masters over them
     shutil.copytree(tmp_path / "resumed", tmp_path / "relaid")
     _train(corpus, tmp_path / "resumed", *common, parallel="dp2")
     _assert_same_run(tmp_path / "straight", tmp_path / "resumed")
-    _train(corpus, tmp_path / "relaid", *common, parallel="tp2")
+    _train(corpus, tmp_path / "relaid", *common, *overlap, parallel="tp2")
     _assert_same_run(tmp_path / "straight", tmp_path / "relaid", exact=False)
+
+
+def _weights_unlike_their_masters(checkpoint: Path) -> list[str]:
+    """The weights a checkpoint holds that differ from their masters in its optimizer state (fp32 on CPU: the
+    same numbers when the weights are current). What ``checkpoint.init_from``, which loads weights alone, reads."""
+    from megatron.core import dist_checkpointing
+
+    state = dist_checkpointing.load_plain_tensors(str(checkpoint / "dense"))
+    masters = {name: state.get(f"optimizer.state.param.{name}") for name in state}
+    assert sum(m is not None for m in masters.values()) > 10
+    return [name for name, master in masters.items() if master is not None and not torch.equal(state[name], master)]
 
 
 def test_the_offsets_lent_to_the_save_skip_the_padding_between_buckets():

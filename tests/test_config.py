@@ -6,6 +6,7 @@ from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 
 from stem_megatron.config import (
+    CheckpointConfig,
     ConfigError,
     ModelConfig,
     ParallelConfig,
@@ -34,6 +35,7 @@ BAD = [
     ("stem.table_init_std", dict(stem=STEMConfig(table_init_std=0.0)), 1, {}),
     ("stem.clip", dict(stem=STEMConfig(clip="per_layer")), 1, {}),
     ("parallel", dict(), 3, dict(tensor_model_parallel_size=2)),
+    ("parallel.overlap_param_gather", dict(), 1, dict(overlap_param_gather=True)),
     ("train.global_batch_size", dict(), 2, {}),
 ]
 
@@ -57,6 +59,13 @@ def test_separate_clip_needs_host_tables():
         validate(_cfg(stem=STEMConfig(placement="device", clip="separate")), 1)
     assert validate(_cfg(stem=STEMConfig(placement="host", clip="separate")), 1) == 1
     assert validate(_cfg(stem=STEMConfig(variant="dense", placement="device", clip="separate")), 1) == 1  # no tables
+
+
+def test_an_existing_export_directory_is_refused_before_training(tmp_path):
+    """The export is written after the last step and never replaces a directory: said at the start, not then."""
+    with pytest.raises(ConfigError, match=r"checkpoint\.export: .* already exists.*remove it or choose another"):
+        validate(_cfg(checkpoint=CheckpointConfig(export=str(tmp_path))), 1)
+    assert validate(_cfg(checkpoint=CheckpointConfig(export=str(tmp_path / "new"))), 1) == 1
 
 
 def test_good_config_returns_dp_size():

@@ -118,18 +118,31 @@ def test_adam_beside_the_next_step_changes_nothing(corpus, tmp_path, nnodes, npr
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("parallel,nnodes,nproc", [("tp2", 1, 4), ("dp2", 2, 2)])
-def test_every_rank_issues_the_step_collectives_in_one_order(corpus, tmp_path, parallel, nnodes, nproc):
+@pytest.mark.parametrize("parallel,nnodes,nproc,overlap", [("tp2", 1, 4, True), ("dp2", 2, 2, False)])
+def test_every_rank_issues_the_step_collectives_in_one_order(corpus, tmp_path, parallel, nnodes, nproc, overlap):
     """DP=2 x TP=2 on one node, and 2 nodes x 2 DP peers (the row exchange's node and rail levels): the collective
     audit of a step (``logging.collective_audit``) records every collective of every rank, on gloo as on NCCL,
     with its thread and group. Every pair of ranks issues the collectives of the groups it shares in one order
     (NCCL hangs where two ranks interleave them differently), the row exchange's all-to-alls among them, and no
-    collective comes from a side thread."""
+    collective comes from a side thread. On one node megatron's DP communication is overlapped too, in buckets of
+    5,000 elements: each bucket's reduce-scatter goes out from backward, between the layers' row exchanges, and
+    the weights' all-gathers from the step's forward, before any reduction."""
+    settings = ("parallel.overlap_grad_reduce=true", "parallel.overlap_param_gather=true",
+                "parallel.ddp_bucket_size=5000") if overlap else ()
     _run(corpus, tmp_path, parallel, nnodes, nproc, "train.global_batch_size=8", "logging.collective_audit=2",
-         "checkpoint.save=false", export=False)
+         "checkpoint.save=false", *settings, export=False)
     audit = json.loads((tmp_path / "collective_audit_step2.json").read_text())
     assert audit["divergence"] is None, audit["summary"]
     assert len(audit["calls"]) == nnodes * nproc
     assert set(audit["threads"]) == {"MainThread"}, audit["threads"]
     for calls in audit["calls"].values():
+        reductions = [i for i, c in enumerate(calls) if c["op"].startswith("reduce_scatter")]
+        dp = calls[reductions[0]]["group"]
+        gathers = [i for i, c in enumerate(calls) if c["group"] == dp and c["op"].startswith("all_gather")]
+        between = {c["op"] for c in calls[reductions[0]:reductions[-1]] if not c["op"].startswith("reduce_scatter")}
+        if overlap:
+            assert len(reductions) > 2 and any(op.startswith("all_to_all") for op in between), calls
+            assert gathers[-1] < reductions[0], calls
+        else:
+            assert len(reductions) == 1 and gathers[0] > reductions[0], calls
         assert sum(c["op"] in ("all_to_all_single", "alltoall_base") for c in calls) >= 2, calls  # the STEM layer's rows went to owners

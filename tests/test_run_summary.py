@@ -18,7 +18,8 @@ def test_the_start_block_of_the_1b_run_on_8_nodes():
                      "in STEM tables")
     assert stem == "stem in layer(s) 3, 6, 9, 12, 16 of 16: tables in host memory (/dev/shm), dense AdamW on the CPU"
     assert layout == ("layout: 8 node(s) x 8 CPU rank(s), TP=1 PP=1 DP=64 EP=1; global batch 512 = 4 x DP 64 x 2 "
-                      "micro-batch(es), 2,097,152 tokens a step")
+                      "micro-batch(es), 2,097,152 tokens a step; DP reductions during backward, weight all-gathers "
+                      "during forward")
     node = max(plan(cfg, Layout(8, 8, 1, 1, "cpu", False))["nodes"], key=lambda n: n["total"])
     assert plan_line.startswith(f"memory plan: {node['total'] / 2**30:.2f} GiB a node, "
                                 f"{sum(node['shared'].values()) / 2**30:.2f} GiB of it shared in /dev/shm; this "

@@ -19,6 +19,7 @@ from megatron.core.dist_checkpointing.validation import StrictHandling
 
 from stem_megatron.checkpoint.atomic import CheckpointError
 from stem_megatron.checkpoint.bucket_offsets import unpadded_offsets
+from stem_megatron.model.weights import current_weights
 
 # How megatron lays out the state (stored with the checkpoint; loading must request the same).
 # non_homogeneous_layers: STEM and dense layers have different MLPs, so layers are keyed one by one
@@ -39,6 +40,7 @@ def save(model, optimizer, directory: Path) -> None:
     """Write this rank's shards of the weights and optimizer state (collective; the DP group all-gathers
     the optimizer state first)."""
     Path(directory).mkdir(exist_ok=True)
+    current_weights(model)
     dist_checkpointing.save(_sharded(model, optimizer, is_loading=False), str(directory),
                             content_metadata=METADATA)
 

@@ -20,6 +20,7 @@ from megatron.core import parallel_state
 from stem_megatron.config import RunConfig
 from stem_megatron.export.format import write_export
 from stem_megatron.model.sharding import local_to_global
+from stem_megatron.model.weights import current_weights
 
 
 def _full(param: torch.Tensor) -> torch.Tensor:
@@ -51,6 +52,7 @@ def export(cfg: RunConfig, trainer, out_dir: Path, tokenizer_path: Path | None =
         shutil.rmtree(scratch, ignore_errors=True)
         scratch.mkdir(parents=True)
     dist.barrier()
+    current_weights(trainer.model)
     stage = trainer.model.module
     names = local_to_global(stage)
     part = {}

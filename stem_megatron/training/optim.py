@@ -6,6 +6,8 @@ grad-norm clipping, warmup then cosine/linear decay to ``min_lr_ratio`` x peak.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -17,22 +19,36 @@ from stem_megatron.config import ParallelConfig, TrainConfig
 
 
 def wrap_ddp(model: torch.nn.Module, config: TransformerConfig, parallel: ParallelConfig) -> DistributedDataParallel:
-    """megatron-core DDP: contiguous fp32 grad buffers, one all-reduce (or reduce-scatter) per bucket
-    (``parallel.ddp_bucket_size``; default one bucket, ``overlap_grad_reduce`` is off). With the distributed optimizer
-    the buffers' layout (each parameter's place in its DP shard) is computed here from the DP group sizes, as
-    megatron-core >= 0.19 asks of a caller; its checkpoints with several buckets: checkpoint/bucket_offsets.py."""
+    """megatron-core DDP: contiguous fp32 grad buffers, one all-reduce (or reduce-scatter) per bucket.
+    ``parallel.overlap_grad_reduce`` issues each bucket's from backward, ``overlap_param_gather`` the weights'
+    all-gather from the next forward (docs/cluster.md). With the distributed optimizer the buffers' layout (each
+    parameter's place in its DP shard) is computed here from the DP group sizes, as megatron-core >= 0.19 asks of a
+    caller; its checkpoints with several buckets: checkpoint/bucket_offsets.py."""
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
-        overlap_grad_reduce=False,
+        overlap_grad_reduce=parallel.overlap_grad_reduce,
+        overlap_param_gather=parallel.overlap_param_gather,
         use_distributed_optimizer=parallel.use_distributed_optimizer,
+        bucket_size=parallel.ddp_bucket_size,
     )
     layout = None
     if ddp_config.use_distributed_optimizer:
         layout = DistributedOptimizer.compute_full_param_layout(
-            [p for p in model.parameters() if p.requires_grad], parallel.ddp_bucket_size,
+            [p for p in model.parameters() if p.requires_grad], _bucket_size(parallel),
             parallel_state.get_data_parallel_world_size(with_context_parallel=True),
             ddp_config, expert_data_parallel_world_size=parallel_state.get_expert_data_parallel_world_size())
     return DistributedDataParallel(config=config, ddp_config=ddp_config, module=model, full_param_layout=layout)
+
+
+def _bucket_size(parallel: ParallelConfig) -> Optional[int]:
+    """Elements per bucket, as megatron's DDP picks them when it lays its buffers out itself: the one set, else
+    without overlap one bucket; with it megatron's default (40M elements, 1M per DP rank past 40), on the first
+    pipeline stage only (later stages' reductions are off the step's path)."""
+    if parallel.ddp_bucket_size is not None:
+        return parallel.ddp_bucket_size
+    if not parallel.overlap_grad_reduce or parallel_state.get_pipeline_model_parallel_rank() > 0:
+        return None
+    return max(40_000_000, 1_000_000 * parallel_state.get_data_parallel_world_size(with_context_parallel=True))
 
 
 def build_optimizer(model: DistributedDataParallel, train: TrainConfig, parallel: ParallelConfig, bf16: bool):

@@ -60,10 +60,17 @@ def start_block(cfg: RunConfig, world: int, ranks_per_node: int, gpu: bool) -> l
     micro = t.global_batch_size // (t.micro_batch_size * dp)
     lines.append(f"layout: {nodes} node(s) x {ranks_per_node} {'GPU' if gpu else 'CPU'} rank(s), TP={tp} PP={pp} "
                  f"DP={dp} EP={ep}; global batch {t.global_batch_size} = {t.micro_batch_size} x DP {dp} x "
-                 f"{micro} micro-batch(es), {t.global_batch_size * m.seq_length:,} tokens a step")
+                 f"{micro} micro-batch(es), {t.global_batch_size * m.seq_length:,} tokens a step{_overlap(cfg, dp)}")
     lines.append(_memory_line(cfg, Layout(nodes, ranks_per_node, tp, pp, "gpu" if gpu else "cpu",
                                           have_transformer_engine()), gpu))
     return lines
+
+
+def _overlap(cfg: RunConfig, dp: int) -> str:
+    p = cfg.parallel
+    if dp == 1 or not p.overlap_grad_reduce:
+        return ""
+    return "; DP reductions during backward" + (", weight all-gathers during forward" if p.overlap_param_gather else "")
 
 
 def _memory_line(cfg: RunConfig, layout: Layout, gpu: bool) -> str:
