@@ -78,11 +78,11 @@ def _memory_line(cfg: RunConfig, layout: Layout, gpu: bool) -> str:
         result = plan(cfg, layout)
     except ValueError as e:  # a layout the plan does not model (e.g. stages spread unevenly over nodes)
         return f"memory plan: not computed ({e})"
-    most, shared, _ = neediest_node(result)
+    here = os.path.isdir(cfg.stem.shm_dir)
+    free, available = free_space(cfg.stem.shm_dir) if here else (0, 0)
+    most, shared, fits = neediest_node(result, free, available)
     line = f"memory plan: {_size(most['total'])} a node, {_size(shared)} of it shared in {cfg.stem.shm_dir}"
-    if os.path.isdir(cfg.stem.shm_dir):
-        free, available = free_space(cfg.stem.shm_dir)
-        _, _, fits = neediest_node(result, free, available)
+    if here:
         line += (f"; this node: MemAvailable {_size(available)}, {_size(free)} free there: "
                  f"{'fits' if fits else 'does NOT fit'}")
     if gpu:
