@@ -119,8 +119,8 @@ def test_a_tp2_pp2_run_exports_to_transformers_and_lm_eval(corpus, tmp_path, mon
            "train.eval_iters=0", "checkpoint.save=false", f"out_dir={run}", f"checkpoint.export={run}/export"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    proc = subprocess.run([sys.executable, "-m", "stem_megatron.export.hf.cli", str(run / "export"), str(tmp_path / "hf")],
-                          capture_output=True, text=True, timeout=600, cwd=ROOT)
+    proc = subprocess.run([sys.executable, "-m", "stem_megatron.export.hf.cli", str(run / "export"),
+                           str(tmp_path / "hf")], capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.startswith(f"wrote {tmp_path / 'hf'}: load it with AutoModelForCausalLM.from_pretrained(")
     (got,) = distributed.run(_against_stem_generate, 1, run / "export", tmp_path / "hf")
