@@ -38,6 +38,8 @@ RUNS = {
     "stem-flops": [("tests/test_memory_plan.py", "test_cli_prints_the_plan_of_a_recipe", "stem_megatron.flops.cli"),
                    ("tests/test_flops.py", "test_cli_qwen_json", "estimate_flops.py")],
     "stem-generate": [("tests/test_generate.py", "test_stem_generate_cli_end_to_end", "stem_megatron.inference.cli")],
+    "stem-export-hf": [("tests/test_hf_export.py", "test_a_tp2_pp2_run_exports_to_transformers_and_lm_eval",
+                        "stem_megatron.export.hf.cli")],
     "stem-preprocess": [("tests/test_data_pipeline.py", "test_preprocess_to_packed_samples_round_trip",
                          "stem_megatron.data.preprocess")],
     "benchmarks/fetch_gather.py": [("tests/test_step_benchmarks.py",
@@ -71,7 +73,7 @@ def readme_commands() -> set[str]:
     inline = re.findall(r"`([^`]+)`", re.sub(r"```[a-z]*\n.*?```", "", text, flags=re.S))
     names = set()
     for span in fenced + inline:
-        names |= set(re.findall(r"(?<![\w/-])(stem-[a-z]+)\b", span))
+        names |= set(re.findall(r"(?<![\w/-])(stem(?:-[a-z]+)+)\b", span))
         names |= set(re.findall(r"-m (stem_megatron[\w.]*)", span))
         names |= set(re.findall(r"\b((?:benchmarks|tools)/\w+\.(?:py|sh))\b", span))
         names |= {f"make {target}" for target in re.findall(r"\bmake ([a-z][a-z-]*)", span)}

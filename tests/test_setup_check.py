@@ -19,9 +19,10 @@ STANDALONE = {"wheelhouse.py"}
 SCRIPTS = sorted(p for p in [*ROOT.glob("benchmarks/*.py"), *ROOT.glob("tools/*.py")]
                  if p.name not in LIBRARIES | STANDALONE)
 EXTRAS = {"eval": ["lm-eval"], "plots": ["matplotlib"], "dashboards": ["wandb-workspaces"],
-          "slurm": ["hydra-submitit-launcher"]}
+          "slurm": ["hydra-submitit-launcher"], "hf": ["transformers", "accelerate"]}
 # what the extras install, by the names of their site-packages entries (package, .dist-info)
-EXTRA_ENTRIES = ("lm_eval", "matplotlib", "mpl_toolkits", "pylab", "wandb_workspaces", "hydra_submitit_launcher")
+EXTRA_ENTRIES = ("lm_eval", "matplotlib", "mpl_toolkits", "pylab", "wandb_workspaces", "hydra_submitit_launcher",
+                 "transformers", "accelerate")
 
 
 @pytest.fixture(scope="module")
@@ -98,14 +99,17 @@ def test_the_extras_come_from_the_projects_metadata():
     (["-m", "stem_megatron.edit.cli", "--export", "x", "--source", "a", "--target", "b", "--prompt", "a",
       "--plot", "e.png"], "stem-edit", ["plots"]),
     (["-m", "stem_megatron.train", "-m", "hydra/launcher=slurm"], "stem-train", ["slurm"]),
+    (["-m", "stem_megatron.export.hf.cli", "x", "y"], "stem-export-hf", ["hf"]),
 ], ids=["plot_metrics", "capacity_scaling", "angular_spread", "wandb_dashboard", "study_report", "study",
-        "stem-eval tasks", "stem-eval tasks and figure", "stem-edit figure", "stem-train sweep on SLURM"])
+        "stem-eval tasks", "stem-eval tasks and figure", "stem-edit figure", "stem-train sweep on SLURM",
+        "stem-export-hf"])
 def test_a_command_without_its_extra_names_it(core_python, command, name, extras):
     """Before any work (the arguments name nothing that exists): one line naming the extras, their packages and
     the fix."""
     proc = subprocess.run([str(core_python), *command], capture_output=True, text=True, cwd=ROOT, timeout=120)
     named = " and ".join(f"'{extra}'" for extra in extras) + (" extras" if len(extras) > 1 else " extra")
-    missing = " and ".join(EXTRAS[extra][0] for extra in extras) + (" are" if len(extras) > 1 else " is")
+    names = [name for extra in extras for name in EXTRAS[extra]]
+    missing = " and ".join(names) + (" are" if len(names) > 1 else " is")
     assert proc.returncode == 1 and proc.stdout == "", proc.stderr
     assert proc.stderr == (f"{name}: needs the {named} ({missing} not installed): run `make setup`, "
                            f"or `{core_python} -m pip install -e '.[{','.join(extras)}]'`\n")

@@ -102,7 +102,8 @@ def read_export(path) -> tuple[RunConfig, dict[str, torch.Tensor], Optional[Path
     try:
         payload = torch.load(weights_file, map_location="cpu", weights_only=True)
     except Exception as e:  # torch raises RuntimeError/EOFError/UnpicklingError for damaged archives
-        raise ExportError(f"{weights_file} is corrupt or truncated ({type(e).__name__}: {e}); re-export it") from None
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""  # torch's messages run to several lines
+        raise ExportError(f"{weights_file} is corrupt or truncated ({type(e).__name__}: {first}); re-export it") from None
     if not isinstance(payload, dict) or payload.get("format") != FORMAT:
         found = payload.get("format") if isinstance(payload, dict) else type(payload).__name__
         raise ExportError(f"{weights_file} has format {found!r}, expected {FORMAT!r}: write it with write_export")
