@@ -10,6 +10,9 @@ so a variant that runs out of memory does not take the others with it):
   stem_1_3_host_dense   STEM-1/3, tables in host memory, CPU Adam on every row (stem.optimizer=dense, the
                         paper recipes' setting)
   stem_full_host        STEM-full, tables in host memory, the recipe's CPU Adam
+  stem_1_3_resident_lazy  STEM-1/3, host tables with a working set of 16,384 rows a layer on the device, updated
+                        there (stem.resident_rows, lazy Adam; docs/gpu_step_v2.md)
+  stem_full_resident_lazy STEM-full, the same
 
 Shapes: `paper` (default with a GPU): +experiment=pretrain_350m and +experiment=pretrain_1b at sequence length
 2048, global batch 16 (32,768 tokens per step), micro-batch 4 (350M) and 2 (1B); `tiny` (default without one):
@@ -63,6 +66,7 @@ from row_sync import DEFAULT_COUNTS, load_counts  # noqa: E402
 REPO = Path(__file__).resolve().parents[1]
 GIB, MB = 2**30, 1e6
 
+RESIDENT = "stem.resident_rows=16384"  # the working set (docs/gpu_step_v2.md: ~6.5k distinct ids a step at 32,768)
 VARIANTS = {  # name -> (label, overrides)
     "dense": ("dense", ["variant=dense"]),
     "stem_1_3_device": ("STEM-1/3 device tables", ["variant=stem_1_3", "stem.placement=device", "stem.clip=global"]),
@@ -71,6 +75,10 @@ VARIANTS = {  # name -> (label, overrides)
     "stem_1_3_host_dense": ("STEM-1/3 host, dense Adam", ["variant=stem_1_3", "stem.placement=host",
                                                           "stem.optimizer=dense"]),
     "stem_full_host": ("STEM-full host", ["variant=stem_full", "stem.placement=host"]),
+    "stem_1_3_resident_lazy": ("STEM-1/3 working set, lazy", ["variant=stem_1_3", "stem.placement=host",
+                                                               "stem.optimizer=lazy", RESIDENT]),
+    "stem_full_resident_lazy": ("STEM-full working set, lazy", ["variant=stem_full", "stem.placement=host",
+                                                                 "stem.optimizer=lazy", RESIDENT]),
 }
 
 

@@ -4,16 +4,16 @@
 1. ``stem-doctor --steps 5``: the environment, and the tiny model trained on the GPU against the CPU;
 2. the ``gpu``-marked tests (tests/test_gpu.py) but the doctor's, which part 1 ran;
 3. ``benchmarks/gpu_step.py`` at the paper's shapes (350M and 1B, 32,768 tokens a step): dense, STEM-1/3 with host
-   tables (lazy CPU Adam), STEM-full with host tables, and STEM-1/3 with device tables where the memory plan says
-   they fit; step 3 of every run audited (``logging.sync_audit``: the synchronising CUDA calls by thread and call
+   tables (lazy CPU Adam), STEM-full with host tables, STEM-1/3 with device tables where the memory plan says
+   they fit, and STEM-1/3 and STEM-full with a working set on the device (``stem.resident_rows``); step 3 of every run audited (``logging.sync_audit``: the synchronising CUDA calls by thread and call
    site; ``logging.collective_audit``: every collective in order, and whether the ranks agree), the first
    ``--warmup`` steps and the profiled last one left out of the timings;
 4. the figures against the GPU step's goals (docs/benchmarks.md, "GPU step goals"), as ratios in one table.
 
 The folder (``OUT``, default runs/gpu-check-<time>) holds at most 7 files: doctor.log, gpu_tests.log, gpu_step.log,
 gpu_step.json, sync_audit.txt and collective_audit.json (350M STEM-1/3 host, rank 0), and summary.md (the table).
-The runs themselves go to ``--work``. Its parts stop at 2, 2.5 and 7 minutes; together they are planned to take
-about 7 minutes on one H100 with 16 cores (an estimate: not yet timed there). ``BASELINE=<an earlier
+The runs themselves go to ``--work``. Its parts stop at 2, 2.5 and 9 minutes; together they are planned to take
+about 9 minutes on one H100 with 16 cores (an estimate: not yet timed there). ``BASELINE=<an earlier
 gpu_step.json>`` adds its figures beside these (e.g. main before a change).
 
 Run: ``make gpu-check [OUT=dir] [BASELINE=file]``, or ``.venv/bin/python tools/gpu_check.py --out DIR``.
@@ -39,7 +39,8 @@ from stem_megatron.setup_check import require_environment  # noqa: E402
 require_environment()  # another Python gets `make setup`, not a traceback
 
 AUDIT_STEP = 3
-VARIANTS = ("dense", "stem_1_3_host_lazy", "stem_full_host", "stem_1_3_device")
+VARIANTS = ("dense", "stem_1_3_host_lazy", "stem_full_host", "stem_1_3_device", "stem_1_3_resident_lazy",
+            "stem_full_resident_lazy")
 AUDITED = ("350M", "stem_1_3_host_lazy")  # the run whose audits the folder keeps
 # (figure, model, numerator variant, denominator variant, what is compared, at most, goal): issue 31's acceptance
 GOALS = (
@@ -50,6 +51,12 @@ GOALS = (
     ("STEM-1/3 host / device tables", "350M", "stem_1_3_host_lazy", "stem_1_3_device", "step_time_s", 1.05, None),
     ("STEM-1/3 host / device tables", "1B", "stem_1_3_host_lazy", "stem_1_3_device", "step_time_s", 1.05, None),
     ("STEM-1/3 host peak / dense peak", "1B", "stem_1_3_host_lazy", "dense", "peak_memory_bytes", 1.10, None),
+    ("STEM-1/3 working set, lazy / dense", "350M", "stem_1_3_resident_lazy", "dense", "step_time_s", 1.00, 0.95),
+    ("STEM-1/3 working set, lazy / dense", "1B", "stem_1_3_resident_lazy", "dense", "step_time_s", 1.00, 0.95),
+    ("STEM-full working set, lazy / dense", "350M", "stem_full_resident_lazy", "dense", "step_time_s", 0.90, 0.85),
+    ("STEM-full working set, lazy / dense", "1B", "stem_full_resident_lazy", "dense", "step_time_s", 0.90, 0.85),
+    ("STEM-1/3 working set peak / dense peak", "1B", "stem_1_3_resident_lazy", "dense", "peak_memory_bytes", 1.10,
+     None),
 )
 
 
@@ -158,7 +165,7 @@ def main(argv=None) -> int:
             python, "benchmarks/gpu_step.py", "--shapes", "paper", "--variants", ",".join(VARIANTS),
             "--steps", str(args.steps), "--warmup", str(args.warmup), "--timeout", "240", "--out", str(args.work),
             "--json", str(out / "gpu_step.json"), f"logging.sync_audit={AUDIT_STEP}",
-            f"logging.collective_audit={AUDIT_STEP}"], out / "gpu_step.log", 420)[0],
+            f"logging.collective_audit={AUDIT_STEP}"], out / "gpu_step.log", 540)[0],
     }
     step_json = out / "gpu_step.json"
     records = json.loads(step_json.read_text())["records"] if step_json.exists() else []

@@ -61,6 +61,9 @@ def export(cfg: RunConfig, trainer, out_dir: Path, tokenizer_path: Path | None =
         if _owner(param):
             part[names[name]] = full
     store = trainer.store
+    if store is not None:  # every TP rank's rows current (a working set's written back) before TP rank 0 reads them
+        store.settle()
+        dist.barrier()
     if store is not None and store.tp_rank == 0:  # the owners' fp32 rows, gathered on DP rank 0
         for layer in store.layers:
             table = store.owner_table(layer)

@@ -50,7 +50,8 @@ FFN_TERMS = {"dense": 5, "stem": 4, "stem_gate": 4, "stem_dagger": 4, "hash_moe"
 ACTIVATION_PEAK = 1.4
 DEVICE_PARTS = {
     "parameters": "parameters", "gradients": "gradients (fp32)", "optimizer": "Adam state",
-    "hot_row_cache": "hot-row cache", "step_rows": "STEM rows + step row grads", "activations": "activations (est.)",
+    "hot_row_cache": "hot-row cache", "working_set": "working set (rows + Adam state)",
+    "step_rows": "STEM rows + step row grads", "activations": "activations (est.)",
     "gloo_staging": "gloo staging of a DDP buffer"}
 NODE_PARTS = {
     "tables": "U_l copies (every row)", "masters": "fp32 master rows (owned; bf16 copies)",
@@ -249,6 +250,8 @@ def plan(cfg: RunConfig, layout: Layout, distinct_ids: Optional[int] = None) -> 
             "gradients": params * FP32,
             "optimizer": int(state * sharded),
             "hot_row_cache": layers * min(s.cache_rows, V) * travel_row,
+            # fp32 master, exp_avg, exp_avg_sq a slot, and the forward's copy where rows travel narrower
+            "working_set": layers * min(s.resident_rows, V) * (3 * row + (travel_row if travel_row < row else 0)),
             # the step's merged row gradients (one buffer a layer over its distinct ids), the fp32 rows of the
             # micro-batches in flight and queued by the prefetcher, one micro-batch's gradient being merged and
             # one layer's exchange (step_pipeline.RowGradients)

@@ -32,8 +32,10 @@ _END = object()
 
 
 class RowPrefetcher:
-    def __init__(self, data: Iterator[dict], store: HostTableStore, num_micro_batches: int, depth: int = 2):
-        self.store = store
+    def __init__(self, data: Iterator[dict], store: HostTableStore, num_micro_batches: int, depth: int = 2,
+                 training: bool = True):
+        """``training``: the rows feed training steps (with a working set, read from it); False: validation."""
+        self.store, self.training = store, training
         self.announced = torch.empty(0, dtype=torch.int64)  # ids of the step ``next_ids`` last returned
         self.wait_s = 0.0
         self._queue: queue.Queue = queue.Queue(maxsize=depth)
@@ -74,7 +76,7 @@ class RowPrefetcher:
             if self._stop.is_set():
                 return False
         for batch in step:
-            batch["stem"] = self.store.fetch(batch["tokens"], ids)
+            batch["stem"] = self.store.fetch(batch["tokens"], ids, training=self.training)
             self._put(batch)
         return not self._stop.is_set()
 

@@ -45,13 +45,14 @@ class RowGradients:
     """Per STEM layer, the step's row gradients: merged on the device, exchanged, landed on the host."""
 
     def __init__(self, layers: list[int], cols: int, exchange: RowExchange, dp_group, device: torch.device,
-                 overlap: bool, landing_rows: int = 0):
+                 overlap: bool, landing_rows: int = 0, to_host: bool = True):
         """``landing_rows``: the most rows this rank updates in a step (``pinned.landing_rows``), whose pinned
-        landing buffers are reserved here (GPU)."""
+        landing buffers are reserved here (GPU). ``to_host``: False where the rows are updated on the device (a
+        working set): the gradients stay there."""
         self.layers, self.cols, self.exchange, self.dp_group, self.device = layers, cols, exchange, dp_group, device
-        self.overlap = overlap
+        self.overlap, self.to_host = overlap, to_host
         self.d2h = DeviceToHost(device)
-        for layer in layers:
+        for layer in layers if to_host else ():
             self.d2h.reserve(layer, landing_rows * cols * 4)
         self.stats = self.new_stats()
         self._routes: Optional[list[Route]] = None  # the step's rows on their way to the owners; None: no step
@@ -114,6 +115,8 @@ class RowGradients:
         self._hold(-merged.numel() * 4)
         summed = self.exchange.to_owners(self._routes, merged)
         summed /= dist.get_world_size(self.dp_group)
+        if not self.to_host:
+            return (self._owned, summed, None), summed.pow(2).sum()
         self.stats["bytes_from_device"] += summed.numel() * 4
         host_grads, landed = self.d2h.copy(summed, layer)  # store.step is done with it before the next step's land
         return (self._owned, host_grads, landed), summed.pow(2).sum()

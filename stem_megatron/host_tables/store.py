@@ -19,6 +19,8 @@ A step, as driven by the training loop and the prefetcher:
    for the next step's ids: rows updated elsewhere that this node reads next are pulled from their owners
    (rows read in step s+1 reflect step s); the other rows are updated while the next step runs
    (``step_pipeline.RowUpdates``).
+With a working set (``stem.resident_rows``, one DP rank) the rows a step reads stay on the device with their
+state instead (``working_set.WorkingSet``): steps 1, 3 and 4 read, keep and update them there.
 """
 
 from __future__ import annotations
@@ -39,16 +41,19 @@ from stem_megatron.host_tables.exchange import DTYPES, RowExchange
 from stem_megatron.host_tables.node import SHM_DIR, host_threads, node_layout, shared_tensors
 from stem_megatron.host_tables.ownership import RowOwnership
 from stem_megatron.host_tables.pinned import cache_staging_bytes, landed, landing_rows, staging_bytes
+from stem_megatron.host_tables.resident_step import step_resident
 from stem_megatron.host_tables.row_adam import RowAdam
 from stem_megatron.host_tables.step_pipeline import RowGradients, RowUpdates
 from stem_megatron.host_tables.transfer import HostToDevice, PrefetchedRows, fetch_rows, travel_dtype
+from stem_megatron.host_tables.whole_tables import WholeTables
+from stem_megatron.host_tables.working_set import HostRows, WorkingSet
 from stem_megatron.layer_plan import planned_layers
-from stem_megatron.model.device_table import table_init_std, table_row_chunks
+from stem_megatron.model.device_table import table_init_std
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
-class HostTableStore:
+class HostTableStore(WholeTables):
     def __init__(
         self,
         layers: list[int],
@@ -70,10 +75,12 @@ class HostTableStore:
         compute_dtype: Optional[torch.dtype] = None,
         micro_batch_tokens: int = 0,
         micro_batches: int = 1,
+        resident_rows: int = 0,
     ):
         """Collective over the world (node and exchange groups and the shared tables are created here).
         ``micro_batch_tokens`` (b * s) and ``micro_batches`` (a step's, per DP rank) size the pinned staging
-        and landing buffers on GPU before the first step (``pinned``; 0: sized by the first steps)."""
+        and landing buffers on GPU before the first step (``pinned``; 0: sized by the first steps).
+        ``resident_rows``: the working set's slots a layer (0: none, rows fetched from the host every step)."""
         if optimizer not in ("lazy", "dense"):
             raise ValueError(f"stem.optimizer must be 'lazy' or 'dense', got {optimizer!r}")
         self.layers = list(layers)  # global 1-based layer numbers of this stage's STEM layers
@@ -116,7 +123,17 @@ class HostTableStore:
         self.current = torch.ones(vocab_size, dtype=torch.bool)
         self.adam = RowAdam(betas, eps, weight_decay)
         self.cache = HotRowCache(cache_rows, vocab_size, self.device)
-        travel = travel_dtype(self.read_dtype, compute_dtype).itemsize
+        travel = travel_dtype(self.read_dtype, compute_dtype)
+        self.resident = None
+        if resident_rows:
+            if dist.get_world_size(self.dp_group) != 1:
+                raise ValueError("stem.resident_rows needs one DP rank (data parallel size 1): owners' working "
+                                 "sets across DP ranks are not built yet (docs/gpu_step_v2.md); set it to 0")
+            host = HostRows(self.master, self.exp_avg, self.exp_avg_sq, self.weight, self.own.local,
+                            self.own.position)
+            self.resident = WorkingSet(self.layers, resident_rows, vocab_size, self.cols, self.device, travel, host,
+                                       self.adam)
+        travel = travel.itemsize
         rows = min(vocab_size, micro_batch_tokens)  # distinct ids of a micro-batch, at most
         step_ids = dist.get_world_size(self.dp_group) * min(vocab_size, micro_batches * micro_batch_tokens)
         slot_bytes = max(staging_bytes(len(self.layers), rows, self.cols, travel, micro_batch_tokens) if rows else 0,
@@ -125,86 +142,34 @@ class HostTableStore:
         self._row_bytes = self.cols * travel  # as rows travel
         self.steps_done = 0
         self.grads = RowGradients(self.layers, self.cols, self.exchange, self.dp_group, self.device, overlap,
-                                  landing_rows=landing_rows(self.own, step_ids))
+                                  landing_rows=landing_rows(self.own, step_ids), to_host=self.resident is None)
         self.updates = RowUpdates(overlap_update, host_threads(self.device))
         self._grads: dict = {}  # layer -> (ids, gradients, copy event) of the step, on the host
         self._aside: dict = {}  # layer -> the later part's gradients, out of the landing buffer (``_set_aside``)
         self._stats = self._new_stats()
-
-    def _init_table(self, full: torch.Tensor, layer: int, seed: int, std: float, owned: bool) -> None:
-        """``table_row_chunks``' rows (the device table's): the whole copy, or (``owned``) the master rows of
-        this node's block."""
-        for start, rows in table_row_chunks(seed, layer, self.vocab_size, self.d_ff, std):
-            ids = torch.arange(start, start + rows.shape[0])
-            at = self.own.position(ids)
-            if owned:
-                mine = self.own.owner(ids) == self.own.node
-                rows, at = rows[mine], at[mine] - self.own.lo
-            full[:, at] = rows.view(rows.shape[0], self.tp, self.cols).transpose(0, 1).to(full.dtype)
-
-    # ---- tables as whole matrices (tests, checkpoints, export) ----
-    def table(self, layer: int) -> torch.Tensor:
-        """``U_l`` as a V x d_ff fp32 matrix from this node's copy (all TP blocks are in the node's shared
-        file), by token id; current where ``refresh`` made it so."""
-        self.settle()
-        full = self.full[layer, "weight"][:, self.own.position(torch.arange(self.vocab_size))]
-        return full.transpose(0, 1).reshape(self.vocab_size, self.d_ff).float()
-
-    def owner_table(self, layer: int) -> Optional[torch.Tensor]:
-        """``U_l`` as a V x d_ff matrix of the owners' fp32 master rows, on DP rank 0 (None elsewhere); a
-        collective over the first peers of this DP group's nodes (all TP blocks of a node's master rows are
-        in its shared files)."""
-        self.settle()
-        if self.node.peer_index != 0:
-            return None
-        block = self.full[layer, "master"] if (layer, "master") in self.full else \
-            self.full[layer, "weight"][:, self.own.lo:self.own.hi]
-        blocks = [block]
-        if self.node.rail is not None:
-            blocks = [None] * self.node.dp_nodes if self.node.dp_node == 0 else None
-            dist.gather_object(block.clone(), blocks, dst=dist.get_process_group_ranks(self.node.rail)[0],
-                               group=self.node.rail)
-        if self.node.dp_node != 0:
-            return None
-        by_position = torch.cat(blocks, dim=1)  # [tp, V, cols]: the nodes' ranges in order
-        full = by_position[:, self.own.position(torch.arange(self.vocab_size))]
-        return full.transpose(0, 1).reshape(self.vocab_size, self.d_ff).clone()
-
-    def load_tables(self, tables: dict[int, torch.Tensor]) -> None:
-        """Overwrite this rank's column block of each ``U_l`` from V x d_ff matrices by token id (node
-        collective)."""
-        self.settle()
-        every = torch.arange(self.vocab_size)
-        for layer, table in tables.items():
-            block = table[:, self.tp_rank * self.cols:(self.tp_rank + 1) * self.cols]
-            self.weight[layer][self.own.position(every)] = block.to(self.read_dtype)
-            self.master[layer].copy_(block[self.own.ids_at(torch.arange(self.own.lo, self.own.hi))])
-        self.current.fill_(True)
-        dist.barrier(self.node.group)
-
-    def copies_from_masters(self) -> None:
-        """After the master rows were loaded (bf16 copies: the checkpoint holds fp32 masters only): every
-        node's copy from the owners' rows. Collective over the world."""
-        if self.read_dtype != torch.float32:
-            for layer in self.layers:
-                lo, hi = self.own.lo, self.own.hi
-                self.weight[layer][lo:hi] = self.master[layer].to(self.read_dtype)
-            self.current.fill_(False)
-            self.refresh(torch.arange(self.vocab_size))
 
     def restore_step(self, steps_done: int) -> None:
         """After loading a checkpoint (every node holds every row): continue the Adam step count."""
         self.settle()
         self.steps_done = steps_done
         self.current.fill_(True)
+        self.drop_resident()
         self.cache.choose(steps_done)
         self._reload_cache()
+
+    def drop_resident(self) -> None:
+        """The host record was loaded anew: the working set (if any) forgets its rows."""
+        if self.resident is not None:
+            self.resident.drop()
 
     def settle(self) -> None:
         """Wait for the last step's CPU Adam (``step_pipeline.RowUpdates``) here and on this rank's DP peers on
         the node (their rows share its copy of this TP block): call before reading tables or moments whole.
-        Collective over those peers (``node.local``), not the node: other TP ranks and stages need not call it."""
+        Collective over those peers (``node.local``), not the node: other TP ranks and stages need not call it.
+        With a working set, its rows' state is written back first."""
         self.updates.settle()
+        if self.resident is not None:
+            self.resident.write_back()
         if self.node.local is not None:
             dist.barrier(self.node.local)
 
@@ -214,10 +179,13 @@ class HostTableStore:
         return sum(t.numel() * t.element_size() for t in self.full.values())
 
     # ---- prefetch side (background thread) ----
-    def fetch(self, tokens: torch.Tensor, step_ids: Optional[torch.Tensor] = None) -> PrefetchedRows:
+    def fetch(self, tokens: torch.Tensor, step_ids: Optional[torch.Tensor] = None,
+              training: bool = True) -> PrefetchedRows:
         """Rows ``U_l[unique ids, my columns]`` of every local STEM layer for a micro-batch's ``tokens``,
         on their way to the compute device (``transfer.fetch_rows``); training passes the ``step_ids``
-        (sorted) of the micro-batch's step."""
+        (sorted) of the micro-batch's step, and with a working set gets the rows' slots there instead."""
+        if training and self.resident is not None and step_ids is not None:
+            return self.resident.fetch(tokens, step_ids)
         prefetched, hit = fetch_rows(tokens, self.vocab_size, self.weight, self.cache, self.h2d,
                                      at=self.own.position, step_ids=step_ids)
         uniq, misses = prefetched.uniq.numel(), int((~hit).sum())
@@ -233,6 +201,14 @@ class HostTableStore:
         """Add a consumed micro-batch's fetch counters to this step's metrics (training thread)."""
         for key, value in stats.items():
             self._stats[key] += value
+
+    def admit(self, ids: torch.Tensor) -> None:
+        """Before a training step's first fetch: with a working set, the step's ``ids`` (sorted) resident."""
+        if self.resident is not None:
+            self.updates.settle()
+            land = self.resident.admit(ids)
+            if land is not None:
+                land()
 
     def begin_step(self, micro_batches: int, ids: torch.Tensor) -> None:
         """A training step of ``micro_batches`` that reads the sorted ``ids`` (the prefetcher's announcement)
@@ -260,6 +236,8 @@ class HostTableStore:
         the refresh; the others after it, beside the next step (``stem.overlap_update``)."""
         self.updates.settle()  # this rank's rows and moments: no other rank writes them
         step = self.steps_done + 1
+        if self.resident is not None:
+            return step_resident(self, step, lr, next_ids)
         self.cache.choose(step)
         reads = torch.cat([next_ids, self.cache.ids])
         read_next = self._read_next(reads)
@@ -340,7 +318,7 @@ class HostTableStore:
     def refresh(self, ids: torch.Tensor) -> None:
         """Make this node's copy of rows ``ids`` (any DP peer on the node may ask for its own) equal the
         owners' rows. Collective over the world's ranks of this stage's DP group and the node."""
-        self.updates.settle()  # the peers' too before anyone reads: the barrier below
+        self.settle() if self.resident is not None else self.updates.settle()  # the peers' too: the barrier below
         if self.layers:
             need = self.exchange.node_needs(ids)
             stale = need[~self.current[need] & (self.own.owner(need) != self.own.node)]
@@ -365,7 +343,7 @@ class HostTableStore:
         rank to its DP peers anywhere; ``stem_node_*`` for this rank's node in total (bytes sent to and
         received from other nodes, table rows Adam updated, each layer counted), a collective over the node."""
         stats, self._stats = self._stats, self._new_stats()
-        for part in (self.grads, self.updates):
+        for part in (self.grads, self.updates) + ((self.resident,) if self.resident is not None else ()):
             stats.update(part.stats)
             part.stats = part.new_stats()
         wire, self.exchange.stats = self.exchange.stats, self.exchange.new_stats()
@@ -397,4 +375,5 @@ def build_store(cfg: RunConfig, tconfig: TransformerConfig, device: torch.device
         overlap_update=cfg.stem.overlap_update, compute_dtype=tconfig.params_dtype,
         micro_batch_tokens=t.micro_batch_size * m.seq_length,
         micro_batches=t.global_batch_size // (t.micro_batch_size * parallel_state.get_data_parallel_world_size()),
+        resident_rows=cfg.stem.resident_rows,
     )

@@ -49,6 +49,7 @@ class PrefetchedRows:
     fetched: Fetched
     in_step: Optional[torch.Tensor] = None  # training: positions of ``uniq`` among the step's ids, on the device
     order: Optional[RowOrder] = None  # the tokens ([s, b] order) sorted by row, for the layer's backward (device)
+    slots: Optional[torch.Tensor] = None  # training with a working set: each of ``uniq``'s slot there (device)
 
     def wait(self) -> None:
         """Make the current stream wait for the rows and the inverse index (GPU); a no-op on CPU."""
@@ -56,7 +57,7 @@ class PrefetchedRows:
             return
         stream = torch.cuda.current_stream()
         stream.wait_event(self.fetched.ready)
-        extra = [t for t in (self.in_step, *(self.order or ())) if t is not None]
+        extra = [t for t in (self.in_step, self.slots, *(self.order or ())) if t is not None]
         for t in (*self.fetched.rows.values(), self.inverse, *extra):
             t.record_stream(stream)  # allocated on the side stream, used on this one
 
@@ -174,12 +175,12 @@ def fetch_rows(tokens: torch.Tensor, vocab_size: int, tables: Mapping[int, torch
             rows[layer] = fetched.float()  # the layer's row leaf: gradients sum in fp32
         order = RowOrder(*(send.copy(t) for t in RowOrder.of(inverse.t(), uniq.numel())))  # sorted here, once
         inverse = send.copy(inverse)
-        in_step = None if step_ids is None else send.copy(_positions(step_ids, uniq))
+        in_step = None if step_ids is None else send.copy(positions_in_step(step_ids, uniq))
     ready = send.ready
     return PrefetchedRows(uniq, inverse, Fetched(rows, ready, {}), in_step, order), hit
 
 
-def _positions(step_ids: torch.Tensor, uniq: torch.Tensor) -> torch.Tensor:
+def positions_in_step(step_ids: torch.Tensor, uniq: torch.Tensor) -> torch.Tensor:
     """Where each of ``uniq`` sits in the sorted ``step_ids``, which must hold them all."""
     at = torch.searchsorted(step_ids, uniq)
     if uniq.numel() and (int(at.max()) >= step_ids.numel() or not torch.equal(step_ids[at], uniq)):

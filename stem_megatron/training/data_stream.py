@@ -39,17 +39,21 @@ def run_datasets(cfg: RunConfig):
 
 
 @contextlib.contextmanager
-def with_rows(batches: Iterator[dict], store, num_micro_batches: int, depth: int = 2) -> Iterator[Iterator[dict]]:
+def with_rows(batches: Iterator[dict], store, num_micro_batches: int, depth: int = 2,
+              training: bool = True) -> Iterator[Iterator[dict]]:
     """``batches`` with their STEM rows prefetched (``RowPrefetcher``) when ``store`` holds host tables,
     as they are otherwise; the prefetch thread stops on exit, and the last step's CPU Adam is waited for.
-    The first step's rows are made current here (a collective: every rank enters together); each training
-    step does it for the next."""
+    The first step's rows are made current here (a collective: every rank enters together), and admitted to the
+    working set for ``training``; each training step does it for the next."""
     if store is None:
         yield batches
         return
-    prefetcher = RowPrefetcher(batches, store, num_micro_batches, depth)
+    prefetcher = RowPrefetcher(batches, store, num_micro_batches, depth, training)
     try:
-        store.refresh(prefetcher.next_ids())
+        ids = prefetcher.next_ids()
+        store.refresh(ids)
+        if training:
+            store.admit(ids)
         prefetcher.release()
         yield prefetcher
     finally:
@@ -58,7 +62,7 @@ def with_rows(batches: Iterator[dict], store, num_micro_batches: int, depth: int
 
 
 def batch_stream(dataset, cfg: RunConfig, dp: int, store, num_micro_batches: int, start_step: int = 0,
-                 steps: Optional[int] = None):
+                 steps: Optional[int] = None, training: bool = True):
     """This DP rank's micro-batches of ``dataset`` from step ``start_step`` (``steps`` steps, or on until
     the dataset ends) with their rows, as the tables are now, attached (``with_rows``); a context manager."""
     data = micro_batches(dataset, cfg.train.micro_batch_size, parallel_state.get_data_parallel_rank(), dp,
@@ -66,4 +70,4 @@ def batch_stream(dataset, cfg: RunConfig, dp: int, store, num_micro_batches: int
                          pin_memory=torch.cuda.is_available())
     if steps is not None:
         data = itertools.islice(data, steps * num_micro_batches)
-    return with_rows(data, store, num_micro_batches, cfg.stem.prefetch_depth)
+    return with_rows(data, store, num_micro_batches, cfg.stem.prefetch_depth, training)

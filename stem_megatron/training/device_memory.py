@@ -70,5 +70,7 @@ def out_of_memory_message(cfg: RunConfig, error: torch.OutOfMemoryError) -> str:
         knobs.append("the STEM tables in host memory (stem.placement=host)")
     elif s.variant not in ("dense", "hash_moe") and s.cache_rows:
         knobs.append(f"fewer hot rows on the device (stem.cache_rows, now {s.cache_rows})")
+    elif s.variant not in ("dense", "hash_moe") and s.resident_rows:
+        knobs.append(f"a smaller working set (stem.resident_rows, now {s.resident_rows}; at least a step's distinct ids)")
     return (f"out of {'device ' if gpu else ''}memory on {where}: {expected} (`stem-flops --memory` with the same "
             f"overrides, docs/memory.md); lower it with " + ", ".join(knobs[:-1]) + " or " + knobs[-1])

@@ -32,7 +32,7 @@ def validation_loss(trainer, valid_dataset, cfg: RunConfig, dp: int) -> dict:
     store = trainer.store
     trainer.model.eval()
     try:
-        with batch_stream(valid_dataset, cfg, dp, store, n_micro, steps=1) as data, torch.no_grad():
+        with batch_stream(valid_dataset, cfg, dp, store, n_micro, steps=1, training=False) as data, torch.no_grad():
             loss = forward_backward(trainer.model, data, n_micro, t.micro_batch_size, cfg.model.seq_length,
                                     cfg.model.vocab_size, forward_only=True)
     finally:

@@ -1,0 +1,248 @@
+"""The rows a step reads, resident on the compute device with their fp32 masters and Adam moments (issue 31).
+
+Design: docs/gpu_step_v2.md. Without it, the host updates the rows the next step reads between the clip and the
+next forward (CPU Adam, the refresh, micro-batch 0's fetch: 0.25-0.45 s a step at 1B on one H100 by the note's
+estimate). With a working set (``stem.resident_rows``) every STEM layer keeps slots of fixed device tensors
+``[C, cols]``: the fp32 master row, ``exp_avg``, ``exp_avg_sq``, and the copy the forward reads in the dtype rows
+travel in. Then:
+
+- the forward gathers a micro-batch's rows by slot on the device: no host gather, no copy to the device;
+- the step's row gradients stay on the device, and right after the clip one AdamW updates the step's slots (lazy)
+  or every resident slot (dense; the rows not resident decay on the host, with zero gradients, as today);
+- the next step's ids are then admitted: rows not resident enter with their state from the host; rows leave (the
+  least counted of those the next step does not read) when slots run short, and their state goes back to the host
+  on a side stream, landed by the Adam thread beside the next step.
+
+The host tables stay the record of every row not resident; ``write_back`` makes them whole for a reader of the
+tables (``store.settle``: checkpoints, export, validation). The update keeps today's semantics (AdamW; lazy: bias
+correction by the global step, decay of touched rows only). On CPU the slots run DeepSpeed's kernel (``RowAdam``),
+the host path's: bitwise today's values. On GPU they run torch's fused AdamW (``torch._fused_adamw_``) on the
+step's rows gathered by slot: other arithmetic, equal within fp32 rounding (tests/test_working_set.py states the
+bound).
+
+One DP rank (it owns every row): the owners' sets across DP ranks and nodes are the design's next build step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from stem_megatron.host_tables.pinned import DeviceToHost, landed
+from stem_megatron.host_tables.row_adam import RowAdam
+from stem_megatron.host_tables.transfer import Fetched, HostToDevice, PrefetchedRows, positions_in_step
+from stem_megatron.model.stem_rows import RowOrder
+
+KINDS = ("master", "exp_avg", "exp_avg_sq")
+GROWTH = 1.25  # a set too small for a step's distinct ids grows by at least this factor
+
+
+@dataclass
+class HostRows:
+    """The host record of one rank's rows: per layer the fp32 masters and moments (``local(ids)`` rows) and the
+    copy fetches read (``position(ids)`` rows, ``read_dtype``)."""
+
+    master: dict[int, torch.Tensor]
+    exp_avg: dict[int, torch.Tensor]
+    exp_avg_sq: dict[int, torch.Tensor]
+    weight: dict[int, torch.Tensor]
+    local: Callable[[torch.Tensor], torch.Tensor]
+    position: Callable[[torch.Tensor], torch.Tensor]
+
+    def kind(self, name: str) -> dict[int, torch.Tensor]:
+        return getattr(self, name)
+
+
+class WorkingSet:
+    """Per STEM layer, ``capacity`` device slots of rows with their optimizer state; ``slot_of`` maps ids to
+    slots (-1: not resident) on the host."""
+
+    def __init__(self, layers: list[int], capacity: int, vocab_size: int, cols: int, device: torch.device,
+                 travel: torch.dtype, host: HostRows, adam: RowAdam, kernel: Optional[str] = None):
+        """``travel``: the dtype the forward reads rows in (``transfer.travel_dtype``); ``kernel``: ``rows``
+        (DeepSpeed's, on CPU) or ``fused`` (torch's fused AdamW, on GPU); default by device."""
+        self.layers, self.cols, self.device, self.travel = layers, cols, device, travel
+        self.host, self.adam = host, adam
+        self.kernel = kernel or ("fused" if device.type == "cuda" else "rows")
+        if self.kernel not in ("rows", "fused"):
+            raise ValueError(f"working-set kernel must be 'rows' or 'fused', got {self.kernel!r}")
+        self.slot_of = torch.full((vocab_size,), -1, dtype=torch.int64)
+        self.counts = torch.zeros(vocab_size, dtype=torch.int64)  # steps that read each row: who stays when short
+        self.ids = torch.empty(0, dtype=torch.int64)  # the id in each slot (-1: free)
+        self.state: dict[int, dict[str, torch.Tensor]] = {layer: {} for layer in layers}
+        self.rows: dict[int, torch.Tensor] = {}
+        self.h2d = HostToDevice(device)  # entering state, fp32 as it is on the host
+        self.d2h = DeviceToHost(device)  # leaving state
+        self.stats = self.new_stats()
+        self._grow(min(capacity, vocab_size))
+
+    @staticmethod
+    def new_stats() -> dict:
+        return dict(rows_entered=0, rows_left=0)
+
+    @property
+    def capacity(self) -> int:
+        return self.ids.numel()
+
+    def _grow(self, capacity: int) -> None:
+        """Slots to ``capacity``, keeping the resident rows where they are."""
+        more = capacity - self.capacity
+        self.ids = torch.cat([self.ids, torch.full((more,), -1, dtype=torch.int64)])
+        for layer in self.layers:
+            state = self.state[layer]
+            for kind in KINDS:
+                fresh = torch.zeros(more, self.cols, device=self.device)
+                state[kind] = torch.cat([state[kind], fresh]) if kind in state else fresh
+            self.rows[layer] = state["master"] if self.travel == torch.float32 else state["master"].to(self.travel)
+
+    # ---- the forward's side ----
+    def fetch(self, tokens: torch.Tensor, step_ids: torch.Tensor) -> PrefetchedRows:
+        """(prefetch thread) A training micro-batch's ids, inverse index, row order and slots on the device; the
+        rows themselves are gathered by the forward (``read``), on its stream, after the last update."""
+        uniq, inverse = torch.unique(tokens.cpu(), return_inverse=True)
+        slots = self.slot_of[uniq]
+        if uniq.numel() and int(slots.min()) < 0:
+            raise RuntimeError("a micro-batch reads rows its step did not admit to the working set: fetch with the "
+                               "step's announced ids after store.admit (RowPrefetcher does both)")
+        with self.h2d.transfer() as send:
+            order = RowOrder(*(send.copy(t) for t in RowOrder.of(inverse.t(), uniq.numel())))
+            at, inverse = send.copy(slots), send.copy(inverse)
+            in_step = send.copy(positions_in_step(step_ids, uniq))
+        stats = dict(unique_tokens=uniq.numel(), rows_fetched=0, bytes_to_device=0, cache_hits=0, cache_lookups=0)
+        return PrefetchedRows(uniq, inverse, Fetched({}, send.ready, stats), in_step, order, slots=at)
+
+    def read(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
+        """A micro-batch's rows of ``layer`` as an fp32 tensor (the layer's row leaf, whose gradient sums in fp32)."""
+        return self.rows[layer].index_select(0, slots).float()
+
+    # ---- after the clip ----
+    def update(self, step: int, lr: float, layer: int, ids: torch.Tensor, grads: torch.Tensor, dense: bool) -> None:
+        """AdamW on ``layer``'s slots of ``ids`` (sorted) with ``grads`` (``[len(ids), cols]``, on the device);
+        ``dense``: every other resident slot too, with a zero gradient."""
+        state, slots = self.state[layer], self.slot_of[ids]
+        others = torch.empty(0, dtype=torch.int64)
+        if dense:
+            resident = self.ids >= 0
+            resident[slots] = False
+            others = resident.nonzero().squeeze(1)
+        if self.kernel == "rows":
+            order = torch.argsort(slots)
+            self.adam.update_rows(step, lr, slots[order], grads, *(state[k] for k in KINDS), grad_rows=order)
+            if others.numel():
+                self.adam.update_untouched_rows(step, lr, others, *(state[k] for k in KINDS))
+        else:
+            every = torch.cat([slots, others]).to(self.device, non_blocking=True)
+            if others.numel():
+                grads = torch.cat([grads, grads.new_zeros(others.numel(), self.cols)])
+            self._fused(step, lr, state, every, grads)
+        if self.rows[layer] is not state["master"]:
+            every = torch.cat([slots, others]).to(self.device, non_blocking=True)
+            self.rows[layer].index_copy_(0, every, state["master"].index_select(0, every).to(self.travel))
+
+    def _fused(self, step: int, lr: float, state: dict, slots: torch.Tensor, grads: torch.Tensor) -> None:
+        """torch's fused AdamW on the rows at ``slots``: gathered, updated, put back (3x an in-place row kernel's
+        traffic, ~10 ms a step at 1B STEM-1/3 on an H100 by the design note)."""
+        p, m, v = (state[k].index_select(0, slots) for k in KINDS)
+        count = torch.full((), float(step), device=self.device)  # bias correction by the global step
+        torch._fused_adamw_([p], [grads.contiguous()], [m], [v], [], [count], lr=lr, beta1=self.adam.beta1,
+                            beta2=self.adam.beta2, weight_decay=self.adam.weight_decay, eps=self.adam.eps,
+                            amsgrad=False, maximize=False)
+        for kind, rows in zip(KINDS, (p, m, v)):
+            state[kind].index_copy_(0, slots, rows)
+
+    def outside(self, ids: torch.Tensor) -> torch.Tensor:
+        """Those of ``ids`` not resident."""
+        return ids[self.slot_of[ids] < 0]
+
+    # ---- between steps ----
+    def admit(self, ids: torch.Tensor) -> Optional[Callable[[], None]]:
+        """Make the sorted ``ids`` (the next step's) resident. Returns the landing of the rows that left, to run
+        on the Adam thread before anything reads the host record again (None: none left). Rows leave in the
+        order of fewest steps that read them, then id: the same rows on every run."""
+        self.counts[ids] += 1
+        entering = self.outside(ids)
+        free = (self.ids < 0).nonzero().squeeze(1)
+        short = entering.numel() - free.numel()
+        land = None
+        if short > 0:
+            resident = self.ids >= 0
+            resident[self.slot_of[ids[self.slot_of[ids] >= 0]]] = False  # the next step's stay
+            spare = resident.nonzero().squeeze(1)
+            if spare.numel() < short:  # the next step's rows do not fit: more slots, none leaves
+                self._grow_for(self.capacity + short, ids.numel())
+            else:
+                key = self.counts[self.ids[spare]] * self.slot_of.numel() + self.ids[spare]  # unique: no ties
+                leaving = spare[torch.topk(key, short, largest=False).indices]
+                land = self._evict(torch.sort(leaving).values)
+            free = (self.ids < 0).nonzero().squeeze(1)
+        self._load(entering, free[:entering.numel()])
+        return land
+
+    def _grow_for(self, need: int, step_ids: int) -> None:
+        capacity = max(need, int(self.capacity * GROWTH))
+        if dist.is_initialized() and dist.get_rank() == 0:
+            print(f"stem.resident_rows: a step reads {step_ids} distinct ids; the working set grows from "
+                  f"{self.capacity} to {capacity} rows a layer (set stem.resident_rows to at least that)", flush=True)
+        self._grow(capacity)
+
+    def _load(self, ids: torch.Tensor, slots: torch.Tensor) -> None:
+        """The host state of rows ``ids`` into ``slots`` (on GPU through pinned staging on the side stream; the
+        compute stream waits for it)."""
+        if not ids.numel():
+            return
+        local = self.host.local(ids)
+        at = slots.to(self.device, non_blocking=True)
+        for layer in self.layers:
+            with self.h2d.transfer() as send:
+                rows = {kind: send.gather(self.host.kind(kind)[layer], local) for kind in KINDS}
+            if send.ready is not None:  # copied on the side stream, used and let go on this one
+                torch.cuda.current_stream().wait_event(send.ready)
+                for value in rows.values():
+                    value.record_stream(torch.cuda.current_stream())
+            for kind, value in rows.items():
+                self.state[layer][kind].index_copy_(0, at, value)
+            if self.rows[layer] is not self.state[layer]["master"]:
+                self.rows[layer].index_copy_(0, at, rows["master"].to(self.travel))
+        self.slot_of[ids] = slots
+        self.ids[slots] = ids
+        self.stats["rows_entered"] += ids.numel() * len(self.layers)
+
+    def _evict(self, slots: torch.Tensor) -> Callable[[], None]:
+        """Free ``slots`` (sorted); their state goes to the host on the side stream. Returns its landing."""
+        ids = self.ids[slots]
+        at = slots.to(self.device, non_blocking=True)
+        copies = {(layer, kind): self.d2h.copy(self.state[layer][kind].index_select(0, at), (layer, kind))
+                  for layer in self.layers for kind in KINDS}
+        self.slot_of[ids] = -1
+        self.ids[slots] = -1
+        self.stats["rows_left"] += ids.numel() * len(self.layers)
+
+        def land() -> None:
+            for (layer, kind), (rows, event) in copies.items():
+                landed(event)
+                self._to_host(ids, layer, kind, rows)
+        return land
+
+    def write_back(self) -> None:
+        """Every resident row's state into the host record (the rows stay resident); waits for it."""
+        slots = (self.ids >= 0).nonzero().squeeze(1)
+        if slots.numel():
+            at, ids = slots.to(self.device), self.ids[slots]
+            for layer in self.layers:
+                for kind in KINDS:
+                    self._to_host(ids, layer, kind, self.state[layer][kind].index_select(0, at).cpu())
+
+    def _to_host(self, ids: torch.Tensor, layer: int, kind: str, rows: torch.Tensor) -> None:
+        """Rows ``ids``' state ``kind`` of ``layer`` into the host record; masters into the fetched copy too."""
+        self.host.kind(kind)[layer][self.host.local(ids)] = rows
+        if kind == "master":
+            weight = self.host.weight[layer]
+            weight[self.host.position(ids)] = rows.to(weight.dtype)
+
+    def drop(self) -> None:
+        """Forget every resident row (the host record was loaded anew: a checkpoint, ``load_tables``)."""
+        self.slot_of.fill_(-1)
+        self.ids.fill_(-1)

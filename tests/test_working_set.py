@@ -1,0 +1,156 @@
+"""The working set (``stem.resident_rows``, host_tables/working_set.py): the rows a step reads kept with their Adam
+state where the step runs, updated there, entering and leaving as steps go. On CPU it runs the host path's kernel, so
+training is bitwise the training without it (losses, tables, moments), through rows entering and leaving, a set that
+grows, reads of the whole tables mid-run (checkpoints, export) and validation. The GPU's kernel (torch's fused AdamW)
+runs here too, against DeepSpeed's within a stated bound."""
+
+import distributed
+import pytest
+import torch
+
+from stem_megatron.config import ModelConfig, ParallelConfig, RunConfig, STEMConfig, TrainConfig
+
+MICRO, GLOBAL, STEPS = 2, 4, 8
+MODEL = ModelConfig(num_layers=4, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4, vocab_size=128,
+                    seq_length=16)
+
+
+def _data(steps, seed=11):
+    """A new global batch a step (DP = 1): 64 tokens, ~50 distinct ids of 128."""
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        seqs = torch.randint(0, MODEL.vocab_size, (GLOBAL, MODEL.seq_length + 1), generator=g)
+        for k in range(GLOBAL // MICRO):
+            s = seqs[k * MICRO:(k + 1) * MICRO]
+            yield {"tokens": s[:, :-1], "labels": s[:, 1:]}
+
+
+def _train(tp, pp, optimizer, read_dtype, resident_rows, kernel=None):
+    """``STEPS`` steps; after steps 3 and 6 the whole tables are read (as a checkpoint or an export reads them) and
+    a validation pass runs on the same store. Returns losses, grad norms, validation losses, the tables and moments,
+    and the working set's counters."""
+    from stem_megatron.training.data_stream import with_rows
+    from stem_megatron.training.setup import setup_model
+    from stem_megatron.training.step import forward_backward, train_step
+
+    stem = STEMConfig(variant="stem", ratio="1/2", placement="host", optimizer=optimizer, read_dtype=read_dtype,
+                      resident_rows=resident_rows)
+    cfg = RunConfig(model=MODEL, stem=stem, parallel=ParallelConfig(tp, pp),
+                    train=TrainConfig(steps=STEPS, micro_batch_size=MICRO, global_batch_size=GLOBAL, lr=1e-2))
+    torch.manual_seed(0)
+    trainer = setup_model(cfg)
+    store, n_micro = trainer.store, GLOBAL // MICRO
+    if kernel is not None:
+        store.resident.kernel = kernel
+    out = {"loss": [], "grad_norm": [], "valid": [], "tables_mid": [], "entered": 0, "left": 0}
+    with with_rows(_data(STEPS), store, n_micro) as data:
+        for step in range(1, STEPS + 1):
+            result = train_step(trainer, data, n_micro, MICRO, MODEL.seq_length, MODEL.vocab_size)
+            out["loss"].append(result["loss"])
+            out["grad_norm"].append(result["grad_norm"])
+            stats = store.take_stats()
+            out["entered"] += stats.get("stem_rows_entered", 0)
+            out["left"] += stats.get("stem_rows_left", 0)
+            if step in (3, 6):
+                out["tables_mid"].append({layer: store.table(layer) for layer in store.layers})
+                trainer.model.eval()
+                with with_rows(_data(1, seed=99), store, n_micro, training=False) as valid, torch.no_grad():
+                    out["valid"].append(forward_backward(trainer.model, valid, n_micro, MICRO, MODEL.seq_length,
+                                                         MODEL.vocab_size, forward_only=True))
+                trainer.model.train()
+    store.settle()
+    out["tables"] = {layer: store.table(layer) for layer in store.layers}
+    out["moments"] = {(layer, kind): getattr(store, kind)[layer].clone()
+                      for layer in store.layers for kind in ("exp_avg", "exp_avg_sq")}
+    return out
+
+
+def _compare(tp, pp, optimizer, read_dtype, resident_rows):
+    return _train(tp, pp, optimizer, read_dtype, 0), _train(tp, pp, optimizer, read_dtype, resident_rows)
+
+
+CASES = {  # (tp, pp, optimizer, read_dtype, resident_rows): rows enter and leave every step (~50 distinct of 64)
+    "tp2-lazy": (2, 1, "lazy", "fp32", 64),
+    "pp2-dense-bf16": (1, 2, "dense", "bf16", 64),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", CASES)
+def test_working_set_trains_bitwise_like_the_host_step(case):
+    tp, pp, optimizer, read_dtype, resident_rows = CASES[case]
+    for rank, (plain, resident) in enumerate(distributed.run(_compare, 2, *CASES[case], tp=tp, pp=pp)):
+        assert resident["loss"] == plain["loss"], f"rank {rank}: losses differ"
+        assert resident["grad_norm"] == plain["grad_norm"], f"rank {rank}: grad norms differ"
+        assert resident["valid"] == plain["valid"] and len(plain["valid"]) == 2, f"rank {rank}: validation differs"
+        for mid_plain, mid_resident in zip(plain["tables_mid"], resident["tables_mid"]):
+            assert all(torch.equal(mid_plain[layer], mid_resident[layer]) for layer in mid_plain)
+        assert plain["tables"].keys() == resident["tables"].keys()
+        for layer, table in plain["tables"].items():
+            assert torch.equal(resident["tables"][layer], table), f"rank {rank}: U_{layer} differs"
+        for key, moment in plain["moments"].items():
+            assert torch.equal(resident["moments"][key], moment), f"rank {rank}: {key} differs"
+        if plain["tables"]:  # a stage with STEM layers: rows entered and left the set
+            assert resident["entered"] > 0 and resident["left"] > 0, resident
+
+
+
+def _one_update(kernel, dense, step=7):
+    """A working set of 48 slots over 200 rows of 256 columns (a whole number of DeepSpeed's SIMD spans, as the
+    paper's d_ff), state drawn as after some training; one AdamW step of 40 rows (lazy) or every resident row
+    (dense). Returns, for the masters and both moments, (the resident rows' value before, after)."""
+    from stem_megatron.host_tables.row_adam import RowAdam
+    from stem_megatron.host_tables.working_set import HostRows, WorkingSet
+
+    g = torch.Generator().manual_seed(3)
+    V, cols = 200, 256
+    master, m = torch.randn(V, cols, generator=g), torch.randn(V, cols, generator=g) * 1e-2
+    v = torch.rand(V, cols, generator=g) * 1e-4
+    host = HostRows({1: master}, {1: m}, {1: v}, {1: master}, lambda ids: ids, lambda ids: ids)
+    ws = WorkingSet([1], 48, V, cols, torch.device("cpu"), torch.float32, host,
+                    RowAdam((0.9, 0.95), 1e-8, 0.1), kernel=kernel)
+    ws.admit(torch.arange(0, 96, 2))
+    ids = torch.arange(0, 80, 2)
+    ws.update(step, 3e-3, 1, ids, torch.randn(ids.numel(), cols, generator=g) * 1e-2, dense)
+    before = dict(master=master, exp_avg=m, exp_avg_sq=v)
+    return {kind: (before[kind][0:96:2], ws.state[1][kind][:48].clone()) for kind in before}
+
+
+@pytest.mark.parametrize("dense", [False, True])
+def test_the_gpu_kernel_is_deepspeeds_update_within_fp32_rounding(dense):
+    """torch's fused AdamW (the working set's kernel on GPU, run here on CPU) against DeepSpeed's (the host path's):
+    the same update, other rounding. Bound, per element of the masters and both moments after one step:
+    |difference| <= 4 eps (|value before| + |its change|), eps = 2^-23 (measured: 2.9 eps at most)."""
+    rows, fused = _one_update("rows", dense), _one_update("fused", dense)
+    eps = torch.finfo(torch.float32).eps
+    for kind, (old, new) in rows.items():
+        assert not torch.equal(new, old), f"{kind}: the rows did not move"
+        off = (fused[kind][1] - new).abs() / (eps * (old.abs() + (new - old).abs()))
+        assert off.max() <= 4, f"{kind}: {off.max():.1f} eps"
+        assert off.max() > 0, f"{kind}: bitwise equal: the fused kernel did not run"
+
+
+@pytest.mark.slow
+def test_a_run_with_a_working_set_resumes_exactly_and_equals_the_host_step(corpus, tmp_path):
+    """The training loop at TP=2: 8 steps with the host step, and 4 + 4 with a working set stopped and resumed from
+    its step-4 checkpoint, validating at steps 4 and 8. Losses, grad norms, validation losses and every exported
+    weight (U_l included) are bitwise equal: the checkpoint and the export read the set's rows written back."""
+    from test_checkpoint import _metrics, _train, _weights
+
+    common = ["train.steps=8", "train.eval_interval=4", "train.eval_iters=1", "checkpoint.save_interval=4",
+              "checkpoint.export=${out_dir}/export"]
+    _train(corpus, tmp_path / "host", *common, "stem.resident_rows=0", steps=8)
+    resident = [*common, "stem.resident_rows=16"]  # ~40 distinct ids a step: the set grows, then rows leave
+    first = _train(corpus, tmp_path / "resident", *resident, "train.exit_after_steps=4", steps=8)
+    assert "working set grows" in first.stdout
+    second = _train(corpus, tmp_path / "resident", *resident, steps=8)
+    assert "resumed from" in second.stdout
+    host, ws = _metrics(tmp_path / "host"), _metrics(tmp_path / "resident")
+    for key in ("step", "loss", "grad_norm", "valid_loss"):
+        assert [r.get(key) for r in ws] == [r.get(key) for r in host], key
+    assert sum("valid_loss" in r for r in host) == 2
+    assert sum(r.get("stem_rows_left", 0) for r in ws) > 0
+    a, b = _weights(tmp_path / "host" / "export"), _weights(tmp_path / "resident" / "export")
+    assert a.keys() == b.keys() and any(".U_l." in k for k in a)
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
