@@ -3,20 +3,25 @@
 The store's real step (one process, this machine's CPU Adam kernel) with token ids drawn from the 128k
 vocabulary's counts, lazy and dense (the recipe's) AdamW, with ``stem.overlap_update`` off (every row
 before the next step's rows are released) and on (the rows the next step reads first; the rest on a
-background thread). Between steps the training thread sleeps for ``--device-step`` seconds: on a GPU
-node the device runs forward and backward then and the host's cores are free, which is what the
+background thread), and with a working set of ``--resident`` rows a layer (``stem.resident_rows``: the step's
+rows updated where the step runs). Between steps the training thread sleeps for ``--device-step`` seconds: on a
+GPU node the device runs forward and backward then and the host's cores are free, which is what the
 background part needs. Per step it prints, as medians over alternating runs: the seconds ``store.step``
 held the training thread (the critical path), the seconds of CPU Adam moved beside the next step, the
-seconds the next step waited for them, and the share of updated rows that were not read next.
+seconds the next step waited for them, and the share of updated rows that were not read next. For the working
+set, ``held`` splits into the slots' AdamW (``update s``: on a GPU a device kernel of ~4-12 ms by
+docs/gpu_step_v2.md, here DeepSpeed's kernel on these cores) and the host's part (``host s``: admitting the next
+step's rows, the dense decay of entering rows): what would stay on the path on a GPU.
 
 Run: ``.venv/bin/python benchmarks/update_order.py [--tokens 32768] [--cols 512] [--layers 2]
-[--device-step 0.5] [--steps 6] [--repeats 2]`` (about two minutes on 2 CPU cores; host memory
-~12 x V x cols x layers bytes).
+[--device-step 0.5] [--steps 6] [--repeats 2] [--resident 16384]`` (about two minutes on 2 CPU cores; host memory
+~12 x V x cols x layers bytes, and as much again for the working set).
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import statistics
 import sys
@@ -36,45 +41,57 @@ from torch.distributed.elastic.utils.distributed import get_free_port  # noqa: E
 from benchmarks.row_sync import DEFAULT_COUNTS, backward_one_step, load_counts  # noqa: E402
 
 
-def _run(rank: int, port: int, p: np.ndarray, args, optimizer: str, overlap: bool, out: str) -> None:
+def _run(rank: int, port: int, p: np.ndarray, args, plans: list[tuple[str, bool, int]], out: str) -> None:
+    """Each plan (optimizer, overlap, working-set rows) in turn, in this one process: its store's steps timed."""
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                       GROUP_RANK="0")
     from stem_megatron import parallel
+
+    parallel.initialize(1, 1, 0)
+    try:
+        results = [_steps(p, args, *plan) for plan in plans]
+    finally:
+        parallel.destroy()
+    torch.save(results, os.path.join(out, "records.pt"))
+
+
+def _steps(p: np.ndarray, args, optimizer: str, overlap: bool, resident: int) -> list[dict]:
     from stem_megatron.host_tables.store import HostTableStore
 
     def draw(step: int) -> torch.Tensor:
         return torch.from_numpy(np.random.default_rng(step).choice(len(p), size=args.tokens, p=p)).view(1, -1)
 
-    parallel.initialize(1, 1, 0)
-    try:
-        store = HostTableStore(list(range(1, args.layers + 1)), len(p), args.cols, init_std=0.02, seed=0,
-                               optimizer=optimizer, overlap_update=overlap)
-        for layer in store.layers:  # the moments' tmpfs pages touched now, as in a run that has trained a while:
-            store.exp_avg[layer].zero_()  # else each step faults in the new rows' pages and times the kernel
-            store.exp_avg_sq[layer].zero_()
-        store.refresh(torch.unique(draw(1)))
-        records = []
-        for step in range(1, args.steps + 1):
-            backward_one_step(store, draw(step))
-            start = time.perf_counter()
-            store.step(1e-3, torch.unique(draw(step + 1)))
-            held = time.perf_counter() - start
-            time.sleep(args.device_step)  # the device's forward and backward of the next step
-            stats = store.take_stats()
-            records.append(dict(held=held, later=stats["stem_rows_updated_later"],
-                                rows=stats["stem_node_rows_updated"], beside=stats["stem_cpu_adam_overlapped_s"],
-                                wait=stats["stem_adam_wait_s"]))
-        store.settle()
-    finally:
-        parallel.destroy()
-    torch.save(records[1:], os.path.join(out, "records.pt"))  # the first step builds and warms the kernel
+    store = HostTableStore(list(range(1, args.layers + 1)), len(p), args.cols, init_std=0.02, seed=0,
+                           optimizer=optimizer, overlap_update=overlap, resident_rows=resident)
+    for layer in store.layers:  # the moments' tmpfs pages touched now, as in a run that has trained a while:
+        store.exp_avg[layer].zero_()  # else each step faults in the new rows' pages and times the kernel
+        store.exp_avg_sq[layer].zero_()
+    store.refresh(torch.unique(draw(1)))
+    store.admit(torch.unique(draw(1)))
+    records = []
+    for step in range(1, args.steps + 1):
+        backward_one_step(store, draw(step))
+        start = time.perf_counter()
+        store.step(1e-3, torch.unique(draw(step + 1)))
+        held = time.perf_counter() - start
+        time.sleep(args.device_step)  # the device's forward and backward of the next step
+        stats = store.take_stats()
+        records.append(dict(held=held, later=stats["stem_rows_updated_later"],
+                            rows=stats["stem_node_rows_updated"], beside=stats["stem_cpu_adam_overlapped_s"],
+                            wait=stats["stem_adam_wait_s"], update=stats.get("stem_resident_update_s", 0.0),
+                            entered=stats.get("stem_rows_entered", 0)))
+    store.settle()
+    del store
+    gc.collect()  # its tables (tmpfs) go before the next plan's are made
+    return records[1:]  # the first step builds and warms the kernel
 
 
-def measure(p: np.ndarray, args, optimizer: str, overlap: bool) -> list[dict]:
+def measure(p: np.ndarray, args, plans: list[tuple[str, bool, int]]) -> list[list[dict]]:
+    """Each plan's step records, all plans in one process (one start-up of torch, megatron and the kernel)."""
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_run, args=(get_free_port(), p, args, optimizer, overlap, tmp), nprocs=1, join=True)
+        mp.spawn(_run, args=(get_free_port(), p, args, plans, tmp), nprocs=1, join=True)
         return torch.load(os.path.join(tmp, "records.pt"))
 
 
@@ -87,6 +104,7 @@ def main(argv=None) -> None:
     parser.add_argument("--device-step", type=float, default=0.5, help="seconds of the device's next step")
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--resident", type=int, default=16384, help="working-set rows a layer (0: no such arm)")
     args = parser.parse_args(argv)
     counts = load_counts(args.counts)
     p = counts / counts.sum()
@@ -94,20 +112,29 @@ def main(argv=None) -> None:
           f"{args.layers} layers x {args.cols} columns, {torch.get_num_threads()} OpenMP threads, device step "
           f"{args.device_step} s; medians of {args.repeats} x {args.steps - 1} steps")
     print(f"{'optimizer':9} {'order':16} {'held s':>8} {'vs serial':>9} {'beside s':>9} {'wait s':>7} "
-          f"{'rows/step':>10} {'not read next':>13}")
+          f"{'rows/step':>10} {'not read next':>13} {'update s':>9} {'host s':>7} {'entered':>8}")
+    arms = {"serial": (False, 0), "next-use first": (True, 0)}
+    if args.resident:
+        arms["working set"] = (True, args.resident)
+    plans = [(optimizer, overlap, resident) for optimizer in ("lazy", "dense") for overlap, resident in arms.values()]
+    runs = {plan: [] for plan in plans}
+    for _ in range(args.repeats):  # alternating: the machine's noise falls on all
+        for plan, records in zip(plans, measure(p, args, plans)):
+            runs[plan] += records
     for optimizer in ("lazy", "dense"):
-        runs = {False: [], True: []}
-        for _ in range(args.repeats):
-            for overlap in (False, True):  # alternating: the machine's noise falls on both
-                runs[overlap] += measure(p, args, optimizer, overlap)
-        serial = statistics.median(r["held"] for r in runs[False])
-        for overlap, records in runs.items():
+        runs_of = {arm: runs[(optimizer, *plan)] for arm, plan in arms.items()}
+        serial = statistics.median(r["held"] for r in runs_of["serial"])
+        for arm, records in runs_of.items():
             held = statistics.median(r["held"] for r in records)
             rows = statistics.median(r["rows"] for r in records)
             later = statistics.median(r["later"] / r["rows"] for r in records)
-            print(f"{optimizer:9} {'next-use first' if overlap else 'serial':16} {held:8.3f} {held / serial:8.2f}x "
+            resident = arms[arm][1] > 0
+            split = (f" {statistics.median(r['update'] for r in records):9.3f} "
+                     f"{statistics.median(r['held'] - r['update'] for r in records):7.3f} "
+                     f"{statistics.median(r['entered'] for r in records):8,.0f}") if resident else ""
+            print(f"{optimizer:9} {arm:16} {held:8.3f} {held / serial:8.2f}x "
                   f"{statistics.median(r['beside'] for r in records):9.3f} "
-                  f"{statistics.median(r['wait'] for r in records):7.3f} {rows:10,.0f} {later:12.0%}")
+                  f"{statistics.median(r['wait'] for r in records):7.3f} {rows:10,.0f} {later:12.0%}{split}")
 
 
 if __name__ == "__main__":

@@ -35,8 +35,11 @@ def test_stem_layer_times_dense_and_both_stem_paths():
 
 
 @pytest.mark.slow
-def test_update_order_reports_both_optimizers_in_both_orders():
+def test_update_order_reports_both_optimizers_in_both_orders_and_the_working_set():
     out = _run("update_order.py", "--tokens", "512", "--cols", "16", "--layers", "1", "--device-step", "0",
-               "--steps", "2", "--repeats", "1")
-    rows = [line.split()[:2] for line in out.splitlines() if line.startswith(("lazy", "dense"))]
-    assert [r[0] for r in rows] == ["lazy", "lazy", "dense", "dense"], out
+               "--steps", "3", "--repeats", "1", "--resident", "64")
+    rows = [line.split() for line in out.splitlines() if line.startswith(("lazy", "dense"))]
+    assert [r[0] for r in rows] == ["lazy"] * 3 + ["dense"] * 3, out
+    resident = [r for r in rows if "working" in r]
+    assert len(resident) == 2 and all(len(r) == len(rows[0]) + 4 for r in resident), out
+    assert all(int(r[-1].replace(",", "")) > 0 for r in resident), out  # rows entered the 64-row set each step

@@ -12,6 +12,8 @@ step's first fetch.
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 
@@ -30,7 +32,9 @@ def step_resident(store, step: int, lr: float, next_ids: torch.Tensor) -> None:
         for layer in store.layers:
             store._update(step, lr, layer, rows, none, torch.empty(0, store.cols), None)
 
+    start = time.perf_counter()
     store.updates.now(update) if ws.kernel == "rows" else update()
+    ws.stats["resident_update_s"] += time.perf_counter() - start
     outside, read = ws.slot_of < 0, torch.zeros(store.vocab_size, dtype=torch.bool)
     read[next_ids] = True
     entering, rest = (outside & read).nonzero().squeeze(1), (outside & ~read).nonzero().squeeze(1)

@@ -81,14 +81,20 @@ class WorkingSet:
 
     @staticmethod
     def new_stats() -> dict:
-        return dict(rows_entered=0, rows_left=0)
+        """Rows (a layer each) that entered and left; seconds the training thread spent in the slots' AdamW (on GPU
+        issuing it; on CPU running it: work the device does on a GPU)."""
+        return dict(rows_entered=0, rows_left=0, resident_update_s=0.0)
 
     @property
     def capacity(self) -> int:
         return self.ids.numel()
 
-    def _grow(self, capacity: int) -> None:
-        """Slots to ``capacity``, keeping the resident rows where they are."""
+    def _grow(self, capacity: int, step_ids: int = 0) -> None:
+        """Slots to ``capacity``, keeping the resident rows where they are; ``step_ids``: the distinct ids of the step
+        that needs them (said in one line), 0 when the set is made."""
+        if step_ids and dist.is_initialized() and dist.get_rank() == 0:
+            print(f"stem.resident_rows: a step reads {step_ids} distinct ids; the working set grows from "
+                  f"{self.capacity} to {capacity} rows a layer (set stem.resident_rows to at least that)", flush=True)
         more = capacity - self.capacity
         self.ids = torch.cat([self.ids, torch.full((more,), -1, dtype=torch.int64)])
         for layer in self.layers:
@@ -171,22 +177,16 @@ class WorkingSet:
             resident = self.ids >= 0
             resident[self.slot_of[ids[self.slot_of[ids] >= 0]]] = False  # the next step's stay
             spare = resident.nonzero().squeeze(1)
-            if spare.numel() < short:  # the next step's rows do not fit: more slots, none leaves
-                self._grow_for(self.capacity + short, ids.numel())
-            else:
+            if spare.numel() < short:  # the next step's rows do not fit: more slots (at least the step's ids)
+                self._grow(max(int(self.capacity * GROWTH), ids.numel()), ids.numel())
+                short = entering.numel() - int((self.ids < 0).sum())
+            if short > 0:
                 key = self.counts[self.ids[spare]] * self.slot_of.numel() + self.ids[spare]  # unique: no ties
                 leaving = spare[torch.topk(key, short, largest=False).indices]
                 land = self._evict(torch.sort(leaving).values)
             free = (self.ids < 0).nonzero().squeeze(1)
         self._load(entering, free[:entering.numel()])
         return land
-
-    def _grow_for(self, need: int, step_ids: int) -> None:
-        capacity = max(need, int(self.capacity * GROWTH))
-        if dist.is_initialized() and dist.get_rank() == 0:
-            print(f"stem.resident_rows: a step reads {step_ids} distinct ids; the working set grows from "
-                  f"{self.capacity} to {capacity} rows a layer (set stem.resident_rows to at least that)", flush=True)
-        self._grow(capacity)
 
     def _load(self, ids: torch.Tensor, slots: torch.Tensor) -> None:
         """The host state of rows ``ids`` into ``slots`` (on GPU through pinned staging on the side stream; the
