@@ -11,7 +11,9 @@ held the training thread (the critical path), the seconds of CPU Adam moved besi
 seconds the next step waited for them, and the share of updated rows that were not read next. For the working
 set, ``held`` splits into the slots' AdamW (``update s``: on a GPU a device kernel of ~4-12 ms by
 docs/gpu_step_v2.md, here DeepSpeed's kernel on these cores) and the host's part (``host s``: admitting the next
-step's rows, the dense decay of entering rows): what would stay on the path on a GPU.
+step's rows, the dense decay of entering rows): what would stay on the path on a GPU. During the "device step" the
+working set loads the step after's entering rows ahead (``store.preload``, lazy Adam), as the prefetch thread
+does; ``at end`` counts the rows that still entered at the step's end, on the path.
 
 Run: ``.venv/bin/python benchmarks/update_order.py [--tokens 32768] [--cols 512] [--layers 2]
 [--device-step 0.5] [--steps 6] [--repeats 2] [--resident 16384]`` (about two minutes on 2 CPU cores; host memory
@@ -74,12 +76,14 @@ def _steps(p: np.ndarray, args, optimizer: str, overlap: bool, resident: int) ->
         start = time.perf_counter()
         store.step(1e-3, torch.unique(draw(step + 1)))
         held = time.perf_counter() - start
-        time.sleep(args.device_step)  # the device's forward and backward of the next step
+        start = time.perf_counter()  # the device's forward and backward of the next step, during which the
+        store.preload(torch.unique(draw(step + 2)))  # prefetcher announces the step after it (working set, lazy)
+        time.sleep(max(0.0, args.device_step - (time.perf_counter() - start)))
         stats = store.take_stats()
         records.append(dict(held=held, later=stats["stem_rows_updated_later"],
                             rows=stats["stem_node_rows_updated"], beside=stats["stem_cpu_adam_overlapped_s"],
                             wait=stats["stem_adam_wait_s"], update=stats.get("stem_resident_update_s", 0.0),
-                            entered=stats.get("stem_rows_entered", 0)))
+                            entered=stats.get("stem_rows_entered", 0) - stats.get("stem_rows_entered_ahead", 0)))
     store.settle()
     del store
     gc.collect()  # its tables (tmpfs) go before the next plan's are made
@@ -112,7 +116,7 @@ def main(argv=None) -> None:
           f"{args.layers} layers x {args.cols} columns, {torch.get_num_threads()} OpenMP threads, device step "
           f"{args.device_step} s; medians of {args.repeats} x {args.steps - 1} steps")
     print(f"{'optimizer':9} {'order':16} {'held s':>8} {'vs serial':>9} {'beside s':>9} {'wait s':>7} "
-          f"{'rows/step':>10} {'not read next':>13} {'update s':>9} {'host s':>7} {'entered':>8}")
+          f"{'rows/step':>10} {'not read next':>13} {'update s':>9} {'host s':>7} {'at end':>8}")
     arms = {"serial": (False, 0), "next-use first": (True, 0)}
     if args.resident:
         arms["working set"] = (True, args.resident)

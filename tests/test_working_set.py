@@ -42,7 +42,7 @@ def _train(tp, pp, optimizer, read_dtype, resident_rows, kernel=None):
     store, n_micro = trainer.store, GLOBAL // MICRO
     if kernel is not None:
         store.resident.kernel = kernel
-    out = {"loss": [], "grad_norm": [], "valid": [], "tables_mid": [], "entered": 0, "left": 0}
+    out = {"loss": [], "grad_norm": [], "valid": [], "tables_mid": [], "entered": 0, "ahead": 0, "left": 0}
     with with_rows(_data(STEPS), store, n_micro) as data:
         for step in range(1, STEPS + 1):
             result = train_step(trainer, data, n_micro, MICRO, MODEL.seq_length, MODEL.vocab_size)
@@ -51,6 +51,7 @@ def _train(tp, pp, optimizer, read_dtype, resident_rows, kernel=None):
             stats = store.take_stats()
             out["entered"] += stats.get("stem_rows_entered", 0)
             out["left"] += stats.get("stem_rows_left", 0)
+            out["ahead"] += stats.get("stem_rows_entered_ahead", 0)
             if step in (3, 6):
                 out["tables_mid"].append({layer: store.table(layer) for layer in store.layers})
                 trainer.model.eval()
@@ -92,6 +93,8 @@ def test_working_set_trains_bitwise_like_the_host_step(case):
             assert torch.equal(resident["moments"][key], moment), f"rank {rank}: {key} differs"
         if plain["tables"]:  # a stage with STEM layers: rows entered and left the set
             assert resident["entered"] > 0 and resident["left"] > 0, resident
+            # lazy Adam: rows enter while the step before runs (the prefetch thread); dense: at the step's end
+            assert (resident["ahead"] > 0) == (optimizer == "lazy"), resident
 
 
 

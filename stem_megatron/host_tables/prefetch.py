@@ -72,6 +72,8 @@ class RowPrefetcher:
         """Announce a step's ids, wait for its release, fetch its rows; False once stopped."""
         ids = torch.unique(torch.cat([batch["tokens"].flatten() for batch in step]))
         self._announced.put(ids)
+        if self.training:
+            self.store.preload(ids)  # rows entering a working set, loaded beside the step before
         while not self._released.acquire(timeout=0.1):
             if self._stop.is_set():
                 return False

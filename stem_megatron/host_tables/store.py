@@ -132,7 +132,7 @@ class HostTableStore(WholeTables):
             host = HostRows(self.master, self.exp_avg, self.exp_avg_sq, self.weight, self.own.local,
                             self.own.position)
             self.resident = WorkingSet(self.layers, resident_rows, vocab_size, self.cols, self.device, travel, host,
-                                       self.adam)
+                                       self.adam, ahead=optimizer == "lazy")
         travel = travel.itemsize
         rows = min(vocab_size, micro_batch_tokens)  # distinct ids of a micro-batch, at most
         step_ids = dist.get_world_size(self.dp_group) * min(vocab_size, micro_batches * micro_batch_tokens)
@@ -209,6 +209,12 @@ class HostTableStore(WholeTables):
             land = self.resident.admit(ids)
             if land is not None:
                 land()
+
+    def preload(self, ids: torch.Tensor) -> None:
+        """(prefetch thread) A training step's ids were announced: with a working set and lazy Adam, their rows
+        that are not resident load while the step before runs (``WorkingSet.preload``)."""
+        if self.resident is not None:
+            self.resident.preload(ids)
 
     def begin_step(self, micro_batches: int, ids: torch.Tensor) -> None:
         """A training step of ``micro_batches`` that reads the sorted ``ids`` (the prefetcher's announcement)

@@ -11,7 +11,8 @@ travel in. Then:
   or every resident slot (dense; the rows not resident decay on the host, with zero gradients, as today);
 - the next step's ids are then admitted: rows not resident enter with their state from the host; rows leave (the
   least counted of those the next step does not read) when slots run short, and their state goes back to the host
-  on a side stream, landed by the Adam thread beside the next step.
+  on a side stream, landed by the Adam thread beside the next step. With lazy Adam the entering rows are loaded
+  ahead, while the step before runs (``preload``, called by the prefetch thread as it announces a step).
 
 The host tables stay the record of every row not resident; ``write_back`` makes them whole for a reader of the
 tables (``store.settle``: checkpoints, export, validation). The update keeps today's semantics (AdamW; lazy: bias
@@ -25,6 +26,8 @@ One DP rank (it owns every row): the owners' sets across DP ranks and nodes are 
 
 from __future__ import annotations
 
+import contextlib
+import threading
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -61,9 +64,11 @@ class WorkingSet:
     slots (-1: not resident) on the host."""
 
     def __init__(self, layers: list[int], capacity: int, vocab_size: int, cols: int, device: torch.device,
-                 travel: torch.dtype, host: HostRows, adam: RowAdam, kernel: Optional[str] = None):
+                 travel: torch.dtype, host: HostRows, adam: RowAdam, kernel: Optional[str] = None,
+                 ahead: bool = False):
         """``travel``: the dtype the forward reads rows in (``transfer.travel_dtype``); ``kernel``: ``rows``
-        (DeepSpeed's, on CPU) or ``fused`` (torch's fused AdamW, on GPU); default by device."""
+        (DeepSpeed's, on CPU) or ``fused`` (torch's fused AdamW, on GPU); default by device. ``ahead``: entering
+        rows load during the step before theirs (``preload``; lazy Adam only, where a row not resident is final)."""
         self.layers, self.cols, self.device, self.travel = layers, cols, device, travel
         self.host, self.adam = host, adam
         self.kernel = kernel or ("fused" if device.type == "cuda" else "rows")
@@ -76,6 +81,13 @@ class WorkingSet:
         self.rows: dict[int, torch.Tensor] = {}
         self.h2d = HostToDevice(device)  # entering state, fp32 as it is on the host
         self.d2h = DeviceToHost(device)  # leaving state
+        self.ahead = ahead
+        self.running = torch.empty(0, dtype=torch.int64)  # the ids of the step now running (the last admitted)
+        self._lock = threading.Lock()  # the slot map: ``admit`` (training thread) and ``preload`` (prefetch thread)
+        self._landed = threading.Event()  # the rows that left at the last ``admit`` are on the host again
+        self._landed.set()
+        self._updated = None  # (GPU) event: the compute stream's last update of the slots, before ``admit``
+        self._loaded = None  # (GPU) event: the side stream's ``preload`` work
         self.stats = self.new_stats()
         self._grow(min(capacity, vocab_size))
 
@@ -83,7 +95,7 @@ class WorkingSet:
     def new_stats() -> dict:
         """Rows (a layer each) that entered and left; seconds the training thread spent in the slots' AdamW (on GPU
         issuing it; on CPU running it: work the device does on a GPU)."""
-        return dict(rows_entered=0, rows_left=0, resident_update_s=0.0)
+        return dict(rows_entered=0, rows_entered_ahead=0, rows_left=0, resident_update_s=0.0)
 
     @property
     def capacity(self) -> int:
@@ -167,30 +179,80 @@ class WorkingSet:
     def admit(self, ids: torch.Tensor) -> Optional[Callable[[], None]]:
         """Make the sorted ``ids`` (the next step's) resident. Returns the landing of the rows that left, to run
         on the Adam thread before anything reads the host record again (None: none left). Rows leave in the
-        order of fewest steps that read them, then id: the same rows on every run."""
-        self.counts[ids] += 1
-        entering = self.outside(ids)
-        free = (self.ids < 0).nonzero().squeeze(1)
-        short = entering.numel() - free.numel()
-        land = None
-        if short > 0:
-            resident = self.ids >= 0
-            resident[self.slot_of[ids[self.slot_of[ids] >= 0]]] = False  # the next step's stay
-            spare = resident.nonzero().squeeze(1)
-            if spare.numel() < short:  # the next step's rows do not fit: more slots (at least the step's ids)
-                self._grow(max(int(self.capacity * GROWTH), ids.numel()), ids.numel())
-                short = entering.numel() - int((self.ids < 0).sum())
-            if short > 0:
-                key = self.counts[self.ids[spare]] * self.slot_of.numel() + self.ids[spare]  # unique: no ties
-                leaving = spare[torch.topk(key, short, largest=False).indices]
-                land = self._evict(torch.sort(leaving).values)
+        order of fewest steps that read them, then id: the same rows on every run. Rows ``preload`` brought
+        ahead are resident already; the compute stream waits for them here."""
+        with self._lock:
+            if self.device.type == "cuda":
+                self._updated = torch.cuda.current_stream().record_event()  # after this step's updates
+                if self._loaded is not None:
+                    torch.cuda.current_stream().wait_event(self._loaded)
+                    self._loaded = None
+            self.counts[ids] += 1
+            entering = self.outside(ids)
             free = (self.ids < 0).nonzero().squeeze(1)
-        self._load(entering, free[:entering.numel()])
-        return land
+            short = entering.numel() - free.numel()
+            land = None
+            if short > 0:
+                spare = self._spare(ids)
+                if spare.numel() < short:  # the next step's rows do not fit: more slots (at least the step's ids)
+                    self._grow(max(int(self.capacity * GROWTH), ids.numel()), ids.numel())
+                    short = entering.numel() - int((self.ids < 0).sum())
+                if short > 0:
+                    land = self._evict(self._leaving(spare, short))
+                free = (self.ids < 0).nonzero().squeeze(1)
+            self._load(entering, free[:entering.numel()])
+            self.running = ids
+            return land
 
-    def _load(self, ids: torch.Tensor, slots: torch.Tensor) -> None:
-        """The host state of rows ``ids`` into ``slots`` (on GPU through pinned staging on the side stream; the
-        compute stream waits for it)."""
+    def preload(self, ids: torch.Tensor) -> None:
+        """(prefetch thread, as it announces a step) With ``ahead``: the state of the announced step's rows that
+        are not resident, loaded into free slots while the step before runs, on the side stream. Exact with lazy
+        Adam: that step updates its own rows only, and neither they nor their slots are touched here. Room is made
+        from rows neither step reads (their state is final, landed here); what does not fit is left to
+        ``admit``."""
+        if not self.ahead:
+            return
+        self._landed.wait()  # rows that left at the last admit: on the host before any of them is read again
+        with self._lock:
+            entering = self.outside(ids)
+            if not entering.numel():
+                return
+            free = (self.ids < 0).nonzero().squeeze(1)
+            short = entering.numel() - free.numel()
+            if short > 0:
+                keep = torch.cat([self.running, ids])
+                spare = self._spare(keep)
+                leaving = min(short, spare.numel())
+                if leaving:
+                    self._evict(self._leaving(spare, leaving), ahead=True)()
+                free = (self.ids < 0).nonzero().squeeze(1)
+                entering = entering[:free.numel()]
+            self._load(entering, free[:entering.numel()], ahead=True)
+            self.stats["rows_entered_ahead"] += entering.numel() * len(self.layers)
+
+    def _spare(self, keep: torch.Tensor) -> torch.Tensor:
+        """Slots of resident rows not among ``keep``."""
+        resident = self.ids >= 0
+        kept = keep[self.slot_of[keep] >= 0]
+        resident[self.slot_of[kept]] = False
+        return resident.nonzero().squeeze(1)
+
+    def _leaving(self, spare: torch.Tensor, n: int) -> torch.Tensor:
+        """The ``n`` of the ``spare`` slots whose rows fewest steps read (then by id: no ties), sorted."""
+        key = self.counts[self.ids[spare]] * self.slot_of.numel() + self.ids[spare]
+        return torch.sort(spare[torch.topk(key, n, largest=False).indices]).values
+
+    def _side(self, copies) -> contextlib.AbstractContextManager:
+        """Work issued inside runs on ``copies``' side stream, after the slots' last update (GPU; nothing on CPU)."""
+        if copies is None:
+            return contextlib.nullcontext()
+        if self._updated is not None:
+            copies.side.wait_event(self._updated)
+        return copies.stream()
+
+    def _load(self, ids: torch.Tensor, slots: torch.Tensor, ahead: bool = False) -> None:
+        """The host state of rows ``ids`` into ``slots``, through pinned staging on the side stream (GPU); the
+        compute stream waits for it now, or (``ahead``) at the next ``admit``."""
         if not ids.numel():
             return
         local = self.host.local(ids)
@@ -198,36 +260,56 @@ class WorkingSet:
         for layer in self.layers:
             with self.h2d.transfer() as send:
                 rows = {kind: send.gather(self.host.kind(kind)[layer], local) for kind in KINDS}
+                if ahead:  # put in place on the side stream too; the compute stream reads none of these slots yet
+                    self._put(layer, at, rows)
+            if ahead:
+                self._loaded = send.ready
+                continue
             if send.ready is not None:  # copied on the side stream, used and let go on this one
                 torch.cuda.current_stream().wait_event(send.ready)
                 for value in rows.values():
                     value.record_stream(torch.cuda.current_stream())
-            for kind, value in rows.items():
-                self.state[layer][kind].index_copy_(0, at, value)
-            if self.rows[layer] is not self.state[layer]["master"]:
-                self.rows[layer].index_copy_(0, at, rows["master"].to(self.travel))
+            self._put(layer, at, rows)
         self.slot_of[ids] = slots
         self.ids[slots] = ids
         self.stats["rows_entered"] += ids.numel() * len(self.layers)
 
-    def _evict(self, slots: torch.Tensor) -> Callable[[], None]:
-        """Free ``slots`` (sorted); their state goes to the host on the side stream. Returns its landing."""
+    def _put(self, layer: int, at: torch.Tensor, rows: dict[str, torch.Tensor]) -> None:
+        for kind, value in rows.items():
+            self.state[layer][kind].index_copy_(0, at, value)
+        if self.rows[layer] is not self.state[layer]["master"]:
+            self.rows[layer].index_copy_(0, at, rows["master"].to(self.travel))
+
+    def _evict(self, slots: torch.Tensor, ahead: bool = False) -> Callable[[], None]:
+        """Free ``slots`` (sorted); their state goes to the host on the side stream (``ahead``: gathered there too,
+        after the slots' last update). Returns its landing, which the caller runs; until it has, ``preload`` waits."""
         ids = self.ids[slots]
         at = slots.to(self.device, non_blocking=True)
-        copies = {(layer, kind): self.d2h.copy(self.state[layer][kind].index_select(0, at), (layer, kind))
-                  for layer in self.layers for kind in KINDS}
+        with self._side(self.d2h.copies) if ahead else contextlib.nullcontext():
+            copies = {(layer, kind): self.d2h.copy(self.state[layer][kind].index_select(0, at), (layer, kind))
+                      for layer in self.layers for kind in KINDS}
         self.slot_of[ids] = -1
         self.ids[slots] = -1
         self.stats["rows_left"] += ids.numel() * len(self.layers)
+        self._landed.clear()
 
         def land() -> None:
-            for (layer, kind), (rows, event) in copies.items():
-                landed(event)
-                self._to_host(ids, layer, kind, rows)
+            try:
+                for (layer, kind), (rows, event) in copies.items():
+                    landed(event)
+                    self._to_host(ids, layer, kind, rows)
+            finally:
+                self._landed.set()
         return land
 
     def write_back(self) -> None:
         """Every resident row's state into the host record (the rows stay resident); waits for it."""
+        with self._lock:
+            self._write_back()
+
+    def _write_back(self) -> None:
+        if self._loaded is not None:
+            torch.cuda.current_stream().wait_event(self._loaded)
         slots = (self.ids >= 0).nonzero().squeeze(1)
         if slots.numel():
             at, ids = slots.to(self.device), self.ids[slots]
@@ -244,5 +326,7 @@ class WorkingSet:
 
     def drop(self) -> None:
         """Forget every resident row (the host record was loaded anew: a checkpoint, ``load_tables``)."""
-        self.slot_of.fill_(-1)
-        self.ids.fill_(-1)
+        with self._lock:
+            self.slot_of.fill_(-1)
+            self.ids.fill_(-1)
+            self.running = torch.empty(0, dtype=torch.int64)
