@@ -33,12 +33,16 @@ def step_resident(store, step: int, lr: float, next_ids: torch.Tensor) -> None:
             store._update(step, lr, layer, rows, none, torch.empty(0, store.cols), None)
 
     start = time.perf_counter()
-    store.updates.now(update) if ws.kernel == "rows" else update()
+    if ws.kernel == "rows":  # CPU: DeepSpeed's kernel on the Adam thread's cores
+        store.updates.now(update)
+    else:
+        update()
     ws.stats["resident_update_s"] += time.perf_counter() - start
-    outside, read = ws.slot_of < 0, torch.zeros(store.vocab_size, dtype=torch.bool)
-    read[next_ids] = True
-    entering, rest = (outside & read).nonzero().squeeze(1), (outside & ~read).nonzero().squeeze(1)
-    if dense and store.layers:
+    rest = none
+    if dense and store.layers:  # the rows not resident, split by whether they enter now
+        outside, read = ws.slot_of < 0, torch.zeros(store.vocab_size, dtype=torch.bool)
+        read[next_ids] = True
+        entering, rest = (outside & read).nonzero().squeeze(1), (outside & ~read).nonzero().squeeze(1)
         store.updates.now(lambda: decay(entering))
         store._stats["rows_updated_later"] += rest.numel() * len(store.layers)
     land = ws.admit(next_ids)
@@ -47,7 +51,7 @@ def step_resident(store, step: int, lr: float, next_ids: torch.Tensor) -> None:
     def later() -> None:
         if land is not None:
             land()
-        if dense and store.layers:
+        if rest.numel():
             decay(rest)
 
     store.updates.later(later)

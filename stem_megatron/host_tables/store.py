@@ -324,7 +324,10 @@ class HostTableStore(WholeTables):
     def refresh(self, ids: torch.Tensor) -> None:
         """Make this node's copy of rows ``ids`` (any DP peer on the node may ask for its own) equal the
         owners' rows. Collective over the world's ranks of this stage's DP group and the node."""
-        self.settle() if self.resident is not None else self.updates.settle()  # the peers' too: the barrier below
+        if self.resident is not None:  # its rows written back: this reads the host copy
+            self.settle()
+        else:
+            self.updates.settle()  # the peers' too before anyone reads: the barrier below
         if self.layers:
             need = self.exchange.node_needs(ids)
             stale = need[~self.current[need] & (self.own.owner(need) != self.own.node)]

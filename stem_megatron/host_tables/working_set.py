@@ -146,18 +146,17 @@ class WorkingSet:
             resident = self.ids >= 0
             resident[slots] = False
             others = resident.nonzero().squeeze(1)
+        every = torch.cat([slots, others]).to(self.device, non_blocking=True)
         if self.kernel == "rows":
             order = torch.argsort(slots)
             self.adam.update_rows(step, lr, slots[order], grads, *(state[k] for k in KINDS), grad_rows=order)
             if others.numel():
                 self.adam.update_untouched_rows(step, lr, others, *(state[k] for k in KINDS))
         else:
-            every = torch.cat([slots, others]).to(self.device, non_blocking=True)
             if others.numel():
                 grads = torch.cat([grads, grads.new_zeros(others.numel(), self.cols)])
             self._fused(step, lr, state, every, grads)
         if self.rows[layer] is not state["master"]:
-            every = torch.cat([slots, others]).to(self.device, non_blocking=True)
             self.rows[layer].index_copy_(0, every, state["master"].index_select(0, every).to(self.travel))
 
     def _fused(self, step: int, lr: float, state: dict, slots: torch.Tensor, grads: torch.Tensor) -> None:
@@ -305,15 +304,11 @@ class WorkingSet:
     def write_back(self) -> None:
         """Every resident row's state into the host record (the rows stay resident); waits for it."""
         with self._lock:
-            self._write_back()
-
-    def _write_back(self) -> None:
-        if self._loaded is not None:
-            torch.cuda.current_stream().wait_event(self._loaded)
-        slots = (self.ids >= 0).nonzero().squeeze(1)
-        if slots.numel():
+            if self._loaded is not None:
+                torch.cuda.current_stream().wait_event(self._loaded)
+            slots = (self.ids >= 0).nonzero().squeeze(1)
             at, ids = slots.to(self.device), self.ids[slots]
-            for layer in self.layers:
+            for layer in self.layers if slots.numel() else ():
                 for kind in KINDS:
                     self._to_host(ids, layer, kind, self.state[layer][kind].index_select(0, at).cpu())
 
