@@ -145,11 +145,12 @@ def test_usr1_stops_training_with_a_checkpoint_then_requeues_and_redoes_no_step(
         saved = int(latest.read_text().strip().removeprefix("step_"))
         first = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
         assert first == list(range(1, saved + 1)), "the stopped job trained steps its checkpoint does not hold"
-        # slurm holds a requeued job back ~2 minutes (Reason=BeginTime); let it start now, once the node is done
-        # with the first attempt (the script requeued its job as it ended: started at once, the new attempt would
-        # find the old one's credential revoked)
+        # slurm holds a requeued job back ~2 minutes (Reason=BeginTime) so that the new attempt's credential is
+        # younger than the old one's revocation, which slurmd compares in whole seconds; release it once the node is
+        # done with the first attempt, and 2 s later (released at once, it was allocated in the requeue's second and
+        # slurmd killed it: "Job credential revoked")
         wait_for(lambda: _node_states() == ["idle"], 60, "the node to be idle")
-        subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], check=True)
+        subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now+2"], check=True)
         wait_for(lambda: "resumed from" in log.read_text() and len(metrics.read_text().splitlines()) > saved + 1,
                  180, "the resumed run's steps", job_id, log)
         text = log.read_text()  # --open-mode=append: both attempts in one log
