@@ -58,8 +58,8 @@ class STEMConfig:
     clip: str = "global"
     prefetch_depth: int = 2  # micro-batches fetched ahead (bounded queue)
     cache_rows: int = 0  # hot rows per table kept on the compute device (0: no cache)
-    # host tables, one DP rank: rows per table resident on the compute device with their Adam state, updated there
-    # (host_tables/working_set.py; 0: none, rows fetched and updated on the host every step)
+    # host tables: rows per table and rank resident on the compute device with their Adam state, updated there (at
+    # DP > 1 the rows the rank owns; host_tables/working_set.py; 0: none, rows fetched and updated on the host)
     resident_rows: int = 0
     shm_dir: str = "/dev/shm"  # host tables: the node's shared-memory (tmpfs) directory they are mapped from
     wire_dtype: str = "fp32"  # host tables: row gradients sent to their owner node in fp32 (exact) | bf16
@@ -297,9 +297,6 @@ def validate_layout(cfg: RunConfig, world_size: int) -> int:
                "stem.placement=host or stem.resident_rows=0")
         _check(not s.cache_rows, "stem.cache_rows", "the working set (stem.resident_rows) replaces the hot-row "
                "cache: set stem.cache_rows=0")
-        _check(world_size // (tp * pp) == 1, "stem.resident_rows", f"needs data parallel size 1, got "
-               f"{world_size // (tp * pp)}: owners' working sets across DP ranks are not built yet "
-               "(docs/gpu_step_v2.md); set it to 0")
     ep = p.expert_model_parallel_size
     _check(ep >= 1 and (world_size // pp) % ep == 0, "parallel.expert_model_parallel_size",
            f"{ep} does not divide the {world_size // pp} ranks of a pipeline stage")

@@ -34,7 +34,6 @@ BAD = [
     ("stem.table_init", dict(stem=STEMConfig(table_init="normal")), 1, {}),
     ("stem.table_init_std", dict(stem=STEMConfig(table_init_std=0.0)), 1, {}),
     ("stem.clip", dict(stem=STEMConfig(clip="per_layer")), 1, {}),
-    ("stem.resident_rows", dict(stem=STEMConfig(resident_rows=64)), 2, {}),  # DP 2: owners' sets not built
     ("stem.cache_rows", dict(stem=STEMConfig(resident_rows=64, cache_rows=8)), 1, {}),  # the set replaces the cache
     ("parallel", dict(), 3, dict(tensor_model_parallel_size=2)),
     ("parallel.overlap_param_gather", dict(), 1, dict(overlap_param_gather=True)),

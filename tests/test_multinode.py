@@ -118,6 +118,39 @@ def test_adam_beside_the_next_step_changes_nothing(corpus, tmp_path, nnodes, npr
 
 
 @pytest.mark.slow
+def test_owners_working_sets_on_two_nodes_train_bitwise_like_the_host_step(corpus, tmp_path):
+    """2 nodes x 2 DP peers with working sets (``stem.resident_rows``): each rank's set holds the rows it owns that
+    the group reads, updates them with every rank's gradients and sends them back along the exchange's routes
+    reversed (rail, then node). Against the host step at the same layout, with a validation pass and a checkpoint
+    mid-run (both read the host copies: written back, pulled across nodes): losses, grad norms, validation losses
+    and every exported weight bitwise equal. The collective audit of step 2: one order on every rank, from the
+    main thread; the rows' way back is the step's last two collectives, the gradients' two levels reversed, and no
+    refresh of the host copies (its node barrier) remains."""
+    batch = ("train.global_batch_size=8", "stem.optimizer=lazy", "train.eval_interval=3", "train.eval_iters=1",
+             "checkpoint.save_interval=3", "logging.collective_audit=2")
+    runs = {rows: _run(corpus, tmp_path / str(rows), "dp2", 2, 2, *batch, f"stem.resident_rows={rows}")
+            for rows in (0, 8)}
+    (host, host_weights), (resident, weights) = runs[0], runs[8]
+    keys = ("loss", "grad_norm", "valid_loss")
+    assert [[r.get(k) for k in keys] for r in resident] == [[r.get(k) for k in keys] for r in host]
+    assert sum("valid_loss" in r for r in host) == 2
+    assert sum(r["stem_rows_left"] for r in resident) > 0 and sum(r["stem_node_bytes_sent"] for r in resident) > 0
+    assert weights.keys() == host_weights.keys() and any(".U_l." in name for name in weights)
+    assert all(torch.equal(weights[n], host_weights[n]) for n in host_weights)
+    audits = {rows: json.loads((tmp_path / str(rows) / "collective_audit_step2.json").read_text()) for rows in runs}
+    for audit in audits.values():
+        assert audit["divergence"] is None, audit["summary"]
+        assert set(audit["threads"]) == {"MainThread"}, audit["threads"]
+    for calls in audits[8]["calls"].values():  # gradients out: node, then rail; rows back, last: rail, then node
+        dp = next(i for i, c in enumerate(calls) if c["op"].startswith("reduce_scatter"))
+        out = [c["group"] for c in calls[:dp] if c["op"] == "all_to_all_single"]
+        back = calls[-2:]
+        assert len(out) == 2 and [c["op"] for c in back] == ["all_to_all_single"] * 2, calls
+        assert [c["group"] for c in back] == out[::-1], calls
+        assert not any(c["op"] == "barrier" for c in calls), calls  # no refresh of the host copies
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("parallel,nnodes,nproc,overlap", [("tp2", 1, 4, True), ("dp2", 2, 2, False)])
 def test_every_rank_issues_the_step_collectives_in_one_order(corpus, tmp_path, parallel, nnodes, nproc, overlap):
     """DP=2 x TP=2 on one node, and 2 nodes x 2 DP peers (the row exchange's node and rail levels): the collective

@@ -7,8 +7,9 @@ not batch tokens, and no expert all-to-all appears. Two levels (``ownership.RowO
   each row to its owner node.
 A step's gradient rows are the step's distinct ids, the same for every layer, so where each goes is worked out
 once a step, on the host over the groups' gloo twins (``plan``: ids only, no device work); each layer's rows then
-follow that plan (``to_owners``: one all-to-all per level, split sizes known, nothing to wait for). Rows run on the
-compute device's backend (NCCL on GPU, gloo on CPU). ``stats`` counts the bytes this rank sends at both levels and,
+follow that plan (``to_owners``: one all-to-all per level, split sizes known, nothing to wait for). With a working
+set at DP > 1 the owners send the updated rows back along the same plan reversed (``from_owners``). Rows run on
+the compute device's backend (NCCL on GPU, gloo on CPU). ``stats`` counts the bytes this rank sends at both levels and,
 apart, what crosses nodes (the rail's traffic).
 """
 
@@ -100,6 +101,25 @@ class RowExchange:
             grads = summed.index_add_(0, route.inverse, torch.cat([grads.index_select(0, route.keep), got.float()]))
         self.stats["exchange_s"] += time.perf_counter() - start
         return grads
+
+    def from_owners(self, routes: Sequence[Route], rows: torch.Tensor) -> torch.Tensor:
+        """``to_owners`` reversed: rows of the plan's final ids (this rank's, as the owner updated them) back to every
+        rank that sent their gradients, level by level in the opposite order, in ``rows``' dtype. Returns the rows of
+        the ids the plan started from (the rank's step ids), on the device."""
+        start = time.perf_counter()
+        for route in reversed(routes):
+            back = rows.index_select(0, route.inverse)  # [kept; received], as they were summed
+            kept = route.keep.numel()
+            got = back.new_empty((sum(route.send_counts), rows.shape[1]))
+            dist.all_to_all_single(got, back[kept:].contiguous(), route.send_counts, route.recv_counts,
+                                   group=route.group)
+            row = rows.shape[1] * rows.element_size()
+            self._count(route.group, sum(route.recv_counts) * row, sum(route.send_counts) * row)
+            rows = back.new_empty((kept + got.shape[0], rows.shape[1]))
+            rows[route.keep] = back[:kept]
+            rows[route.send] = got  # by destination, each one's rows in the order they were sent
+        self.stats["exchange_s"] += time.perf_counter() - start
+        return rows
 
     # ---- which rows changed elsewhere ----
     def updated_elsewhere(self, ids: torch.Tensor) -> torch.Tensor:

@@ -1,11 +1,14 @@
-"""``store.step`` with a working set (``working_set.WorkingSet``, issue 31): what runs between the clip and the next
-step's first fetch.
+"""The store's side of a working set (``working_set.WorkingSet``, issue 31): its making, the first step's admission,
+the rows' reads, and ``store.step`` with it, which runs between the clip and the next step's first fetch:
 
 1. AdamW on the working set's slots, the step's gradients where they are (the device); on CPU on the Adam thread,
    whose cores DeepSpeed's kernel uses.
 2. Dense Adam only: the rows not resident decay on the host (zero gradients, ``store._update``), first those the next
    step reads, since they enter the set below with their state.
-3. The next step's ids admitted: entering rows' state from the host, leaving rows' back to it.
+3. The next step's ids admitted: entering rows' state from the host, leaving rows' back to it. At DP > 1 the next
+   step is planned first (``plan``): a rank admits the rows it owns of those any rank reads, and after the admission
+   every rank receives its next step's rows from their owners (``step_rows.StepRows.receive``), at this one place on
+   every rank; rows other nodes own are stale in this node's host copy from here until a ``refresh`` pulls them.
 4. Beside the next step (``stem.overlap_update``), on the Adam thread: the leaving rows landed in the host record, and
    dense Adam's other rows. The next step's ``step`` (and ``settle``, ``refresh``) waits for them first.
 """
@@ -15,43 +18,106 @@ from __future__ import annotations
 import time
 
 import torch
+import torch.distributed as dist
+
+from stem_megatron.host_tables.step_rows import StepRows
+from stem_megatron.host_tables.working_set import HostRows, WorkingSet
 
 
-def step_resident(store, step: int, lr: float, next_ids: torch.Tensor) -> None:
-    """Step ``step`` of ``store`` (a ``HostTableStore`` with a working set); ``next_ids``: the next step's ids."""
-    ws, dense, none = store.resident, store.mode == "dense", torch.empty(0, dtype=torch.int64)
+class ResidentRows:
+    """The working-set side of ``store.HostTableStore`` (its base class)."""
 
-    def update() -> None:
-        for layer in store.layers:
-            ids, grads, _ = store._grads.pop(layer, (none, torch.empty(0, store.cols, device=store.device), None))
-            ws.update(step, lr, layer, ids, grads, dense)
-            store._stats["rows_updated"] += store.vocab_size if dense else ids.numel()
+    def _init_resident(self, resident_rows: int, optimizer: str, travel: torch.dtype) -> None:
+        """The working set of ``resident_rows`` slots a layer (0: none), rows held in the ``travel`` dtype."""
+        self.resident = self.step_rows = None
+        self._planned = None  # (ids, their plan): a step planned before its ``begin_step`` (``plan``)
+        if resident_rows:
+            host = HostRows(self.master, self.exp_avg, self.exp_avg_sq, self.weight, self.own.local,
+                            self.own.position)
+            alone = dist.get_world_size(self.dp_group) == 1  # ahead: which rows enter is known only with the plan
+            self.resident = WorkingSet(self.layers, resident_rows, self.vocab_size, self.cols, self.device, travel,
+                                       host, self.adam, ahead=optimizer == "lazy" and alone)
+            if not alone:
+                self.step_rows = StepRows(self.layers, self.exchange, self.resident)
+            self.mine = torch.zeros(self.vocab_size, dtype=torch.bool)  # the rows this rank updates
+            self.mine[self.own.my_rows()] = True
 
-    def decay(ids: torch.Tensor) -> None:
-        rows = torch.sort(store.own.local(ids)).values
-        for layer in store.layers:
-            store._update(step, lr, layer, rows, none, torch.empty(0, store.cols), None)
+    def drop_resident(self) -> None:
+        """The host record was loaded anew: the working set (if any) forgets its rows."""
+        if self.resident is not None:
+            self.resident.drop()
+        if self.step_rows is not None:
+            self.step_rows.drop()
 
-    start = time.perf_counter()
-    if ws.kernel == "rows":  # CPU: DeepSpeed's kernel on the Adam thread's cores
-        store.updates.now(update)
-    else:
-        update()
-    ws.stats["resident_update_s"] += time.perf_counter() - start
-    rest = none
-    if dense and store.layers:  # the rows not resident, split by whether they enter now
-        outside, read = ws.slot_of < 0, torch.zeros(store.vocab_size, dtype=torch.bool)
-        read[next_ids] = True
-        entering, rest = (outside & read).nonzero().squeeze(1), (outside & ~read).nonzero().squeeze(1)
-        store.updates.now(lambda: decay(entering))
-        store._stats["rows_updated_later"] += rest.numel() * len(store.layers)
-    land = ws.admit(next_ids)
-    store.steps_done = step
+    def read_rows(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
+        """(forward, with a working set) A micro-batch's rows of ``layer`` at the ``slots`` its fetch gave."""
+        return (self.step_rows or self.resident).read(layer, slots)
 
-    def later() -> None:
-        if land is not None:
-            land()
-        if rest.numel():
-            decay(rest)
+    def plan(self, ids: torch.Tensor) -> tuple[list, torch.Tensor]:
+        """The routes of a step reading the sorted ``ids`` to the rows' owners and the ids this rank updates in it
+        (``RowExchange.plan``, a collective over the exchange groups' gloo twins), kept for its ``begin_step``."""
+        self._planned = (ids, self.exchange.plan(ids))
+        return self._planned[1]
 
-    store.updates.later(later)
+    def admit(self, ids: torch.Tensor) -> None:
+        """Before a training step's first fetch: with a working set, the step's ``ids`` (sorted) resident, at DP > 1
+        those this rank owns, and every rank's rows sent to it. Collective over the DP group (``plan``, ``receive``)."""
+        if self.resident is not None:
+            self.updates.settle()
+            routes, owned = self.plan(ids)
+            land = self.resident.admit(owned)
+            if land is not None:
+                land()
+            if self.step_rows is not None:
+                self.step_rows.receive(routes, owned)
+
+    def preload(self, ids: torch.Tensor) -> None:
+        """(prefetch thread) A training step's ids were announced: with a working set and lazy Adam, their rows
+        that are not resident load while the step before runs (``WorkingSet.preload``)."""
+        if self.resident is not None:
+            self.resident.preload(ids)
+
+    def _step_resident(self, step: int, lr: float, next_ids: torch.Tensor) -> None:
+        """``step`` with a working set: step ``step``; ``next_ids``: the next step's ids."""
+        ws, dense, none = self.resident, self.mode == "dense", torch.empty(0, dtype=torch.int64)
+        mine = int(self.mine.sum())
+
+        def update() -> None:
+            for layer in self.layers:
+                ids, grads, _ = self._grads.pop(layer, (none, torch.empty(0, self.cols, device=self.device), None))
+                ws.update(step, lr, layer, ids, grads, dense)
+                self._stats["rows_updated"] += mine if dense else ids.numel()
+
+        def decay(ids: torch.Tensor) -> None:
+            rows = torch.sort(self.own.local(ids)).values
+            for layer in self.layers:
+                self._update(step, lr, layer, rows, none, torch.empty(0, self.cols), None)
+
+        start = time.perf_counter()
+        if ws.kernel == "rows":  # CPU: DeepSpeed's kernel on the Adam thread's cores
+            self.updates.now(update)
+        else:
+            update()
+        ws.stats["resident_update_s"] += time.perf_counter() - start
+        routes, owned = self.plan(next_ids)  # at DP = 1: no routes, every id owned
+        rest = none
+        if dense and self.layers:  # the rows this rank updates not resident, split by whether they enter now
+            outside, read = (ws.slot_of < 0) & self.mine, torch.zeros(self.vocab_size, dtype=torch.bool)
+            read[owned] = True
+            entering, rest = (outside & read).nonzero().squeeze(1), (outside & ~read).nonzero().squeeze(1)
+            self.updates.now(lambda: decay(entering))
+            self._stats["rows_updated_later"] += rest.numel() * len(self.layers)
+        land = ws.admit(owned)
+        if self.step_rows is not None:
+            self.step_rows.receive(routes, owned)
+            if self.node.rail is not None:
+                self.current.fill_(False)
+        self.steps_done = step
+
+        def later() -> None:
+            if land is not None:
+                land()
+            if rest.numel():
+                decay(rest)
+
+        self.updates.later(later)

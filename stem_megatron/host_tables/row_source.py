@@ -60,7 +60,7 @@ class HostRowSource(MegatronModule):
         prefetched.wait()
         rows = prefetched.fetched.rows.get(self.layer_number)
         if rows is None:  # training with a working set: gathered by slot here, on this stream, after the update
-            rows = self.store.resident.read(self.layer_number, prefetched.slots)
+            rows = self.store.read_rows(self.layer_number, prefetched.slots)
         if torch.is_grad_enabled():
             rows = rows.detach().requires_grad_()
             self.store.register(self.layer_number, prefetched, rows)

@@ -75,10 +75,12 @@ class RowGradients:
         self._held += nbytes
         self.stats["device_row_bytes_peak"] = max(self.stats["device_row_bytes_peak"], self._held + transient)
 
-    def begin(self, ids: torch.Tensor, micro_batches: int) -> None:
+    def begin(self, ids: torch.Tensor, micro_batches: int, plan: Optional[tuple[list[Route], torch.Tensor]] = None
+              ) -> None:
         """A step of ``micro_batches`` reading the sorted distinct ``ids`` starts: its routes to the owners are
-        settled here, on the training thread (a collective over the exchange groups' gloo twins)."""
-        self._routes, self._owned = self.exchange.plan(ids)
+        settled here, on the training thread (a collective over the exchange groups' gloo twins), unless the
+        ``plan`` of these ids (``RowExchange.plan``) was made already (a working set plans the step ahead)."""
+        self._routes, self._owned = plan if plan is not None else self.exchange.plan(ids)
         self._size, self._micro_batches = ids.numel(), micro_batches
         self._filled = dict.fromkeys(self.layers, 0)
 

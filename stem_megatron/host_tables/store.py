@@ -19,8 +19,9 @@ A step, as driven by the training loop and the prefetcher:
    for the next step's ids: rows updated elsewhere that this node reads next are pulled from their owners
    (rows read in step s+1 reflect step s); the other rows are updated while the next step runs
    (``step_pipeline.RowUpdates``).
-With a working set (``stem.resident_rows``, one DP rank) the rows a step reads stay on the device with their
-state instead (``working_set.WorkingSet``): steps 1, 3 and 4 read, keep and update them there.
+With a working set (``stem.resident_rows``) the rows a step reads stay on the device with their state instead
+(``working_set.WorkingSet``): steps 1, 3 and 4 read, keep and update them there. At DP > 1 each rank's set holds the
+rows it owns that the group reads next, and the others get them from it (``step_rows.StepRows``).
 """
 
 from __future__ import annotations
@@ -41,19 +42,18 @@ from stem_megatron.host_tables.exchange import DTYPES, RowExchange
 from stem_megatron.host_tables.node import SHM_DIR, host_threads, node_layout, shared_tensors
 from stem_megatron.host_tables.ownership import RowOwnership
 from stem_megatron.host_tables.pinned import cache_staging_bytes, landed, landing_rows, staging_bytes
-from stem_megatron.host_tables.resident_step import step_resident
+from stem_megatron.host_tables.resident_step import ResidentRows
 from stem_megatron.host_tables.row_adam import RowAdam
 from stem_megatron.host_tables.step_pipeline import RowGradients, RowUpdates
 from stem_megatron.host_tables.transfer import HostToDevice, PrefetchedRows, fetch_rows, travel_dtype
 from stem_megatron.host_tables.whole_tables import WholeTables
-from stem_megatron.host_tables.working_set import HostRows, WorkingSet
 from stem_megatron.layer_plan import planned_layers
 from stem_megatron.model.device_table import table_init_std
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
-class HostTableStore(WholeTables):
+class HostTableStore(WholeTables, ResidentRows):
     def __init__(
         self,
         layers: list[int],
@@ -124,15 +124,7 @@ class HostTableStore(WholeTables):
         self.adam = RowAdam(betas, eps, weight_decay)
         self.cache = HotRowCache(cache_rows, vocab_size, self.device)
         travel = travel_dtype(self.read_dtype, compute_dtype)
-        self.resident = None
-        if resident_rows:
-            if dist.get_world_size(self.dp_group) != 1:
-                raise ValueError("stem.resident_rows needs one DP rank (data parallel size 1): owners' working "
-                                 "sets across DP ranks are not built yet (docs/gpu_step_v2.md); set it to 0")
-            host = HostRows(self.master, self.exp_avg, self.exp_avg_sq, self.weight, self.own.local,
-                            self.own.position)
-            self.resident = WorkingSet(self.layers, resident_rows, vocab_size, self.cols, self.device, travel, host,
-                                       self.adam, ahead=optimizer == "lazy")
+        self._init_resident(resident_rows, optimizer, travel)
         travel = travel.itemsize
         rows = min(vocab_size, micro_batch_tokens)  # distinct ids of a micro-batch, at most
         step_ids = dist.get_world_size(self.dp_group) * min(vocab_size, micro_batches * micro_batch_tokens)
@@ -157,11 +149,6 @@ class HostTableStore(WholeTables):
         self.cache.choose(steps_done)
         self._reload_cache()
 
-    def drop_resident(self) -> None:
-        """The host record was loaded anew: the working set (if any) forgets its rows."""
-        if self.resident is not None:
-            self.resident.drop()
-
     def settle(self) -> None:
         """Wait for the last step's CPU Adam (``step_pipeline.RowUpdates``) here and on this rank's DP peers on
         the node (their rows share its copy of this TP block): call before reading tables or moments whole.
@@ -183,9 +170,10 @@ class HostTableStore(WholeTables):
               training: bool = True) -> PrefetchedRows:
         """Rows ``U_l[unique ids, my columns]`` of every local STEM layer for a micro-batch's ``tokens``,
         on their way to the compute device (``transfer.fetch_rows``); training passes the ``step_ids``
-        (sorted) of the micro-batch's step, and with a working set gets the rows' slots there instead."""
+        (sorted) of the micro-batch's step, and with a working set gets the rows' slots there instead (at DP > 1
+        their positions among the step's rows received from the owners)."""
         if training and self.resident is not None and step_ids is not None:
-            return self.resident.fetch(tokens, step_ids)
+            return self.resident.fetch(tokens, step_ids, by_position=self.step_rows is not None)
         prefetched, hit = fetch_rows(tokens, self.vocab_size, self.weight, self.cache, self.h2d,
                                      at=self.own.position, step_ids=step_ids)
         uniq, misses = prefetched.uniq.numel(), int((~hit).sum())
@@ -202,24 +190,12 @@ class HostTableStore(WholeTables):
         for key, value in stats.items():
             self._stats[key] += value
 
-    def admit(self, ids: torch.Tensor) -> None:
-        """Before a training step's first fetch: with a working set, the step's ``ids`` (sorted) resident."""
-        if self.resident is not None:
-            self.updates.settle()
-            land = self.resident.admit(ids)
-            if land is not None:
-                land()
-
-    def preload(self, ids: torch.Tensor) -> None:
-        """(prefetch thread) A training step's ids were announced: with a working set and lazy Adam, their rows
-        that are not resident load while the step before runs (``WorkingSet.preload``)."""
-        if self.resident is not None:
-            self.resident.preload(ids)
-
     def begin_step(self, micro_batches: int, ids: torch.Tensor) -> None:
         """A training step of ``micro_batches`` that reads the sorted ``ids`` (the prefetcher's announcement)
         starts."""
-        self.grads.begin(ids, micro_batches)
+        planned, self._planned = self._planned, None
+        plan = planned[1] if planned is not None and torch.equal(planned[0], ids) else None
+        self.grads.begin(ids, micro_batches, plan)
 
     def register(self, layer: int, prefetched: PrefetchedRows, rows: torch.Tensor) -> None:
         """A micro-batch's compact rows (its distinct ids x columns) whose ``.grad`` backward fills."""
@@ -243,7 +219,7 @@ class HostTableStore(WholeTables):
         self.updates.settle()  # this rank's rows and moments: no other rank writes them
         step = self.steps_done + 1
         if self.resident is not None:
-            return step_resident(self, step, lr, next_ids)
+            return self._step_resident(step, lr, next_ids)
         self.cache.choose(step)
         reads = torch.cat([next_ids, self.cache.ids])
         read_next = self._read_next(reads)
@@ -352,7 +328,7 @@ class HostTableStore(WholeTables):
         rank to its DP peers anywhere; ``stem_node_*`` for this rank's node in total (bytes sent to and
         received from other nodes, table rows Adam updated, each layer counted), a collective over the node."""
         stats, self._stats = self._stats, self._new_stats()
-        for part in (self.grads, self.updates) + ((self.resident,) if self.resident is not None else ()):
+        for part in [p for p in (self.grads, self.updates, self.resident, self.step_rows) if p is not None]:
             stats.update(part.stats)
             part.stats = part.new_stats()
         wire, self.exchange.stats = self.exchange.stats, self.exchange.new_stats()

@@ -21,7 +21,8 @@ the host path's: bitwise today's values. On GPU they run torch's fused AdamW (``
 step's rows gathered by slot: other arithmetic, equal within fp32 rounding (tests/test_working_set.py states the
 bound).
 
-One DP rank (it owns every row): the owners' sets across DP ranks and nodes are the design's next build step.
+At DP > 1 a rank's set holds the rows it owns (``ownership``) that the group's next step reads, and updates them with
+every rank's gradients; the other ranks receive the updated rows (``step_rows.StepRows``).
 """
 
 from __future__ import annotations
@@ -105,7 +106,7 @@ class WorkingSet:
         """Slots to ``capacity``, keeping the resident rows where they are; ``step_ids``: the distinct ids of the step
         that needs them (said in one line), 0 when the set is made."""
         if step_ids and dist.is_initialized() and dist.get_rank() == 0:
-            print(f"stem.resident_rows: a step reads {step_ids} distinct ids; the working set grows from "
+            print(f"stem.resident_rows: a step needs {step_ids} rows in the working set; it grows from "
                   f"{self.capacity} to {capacity} rows a layer (set stem.resident_rows to at least that)", flush=True)
         more = capacity - self.capacity
         self.ids = torch.cat([self.ids, torch.full((more,), -1, dtype=torch.int64)])
@@ -117,18 +118,21 @@ class WorkingSet:
             self.rows[layer] = state["master"] if self.travel == torch.float32 else state["master"].to(self.travel)
 
     # ---- the forward's side ----
-    def fetch(self, tokens: torch.Tensor, step_ids: torch.Tensor) -> PrefetchedRows:
+    def fetch(self, tokens: torch.Tensor, step_ids: torch.Tensor, by_position: bool = False) -> PrefetchedRows:
         """(prefetch thread) A training micro-batch's ids, inverse index, row order and slots on the device; the
-        rows themselves are gathered by the forward (``read``), on its stream, after the last update."""
+        rows themselves are gathered by the forward (``read``), on its stream, after the last update.
+        ``by_position``: the "slots" are the ids' positions among the step's (DP > 1: rows received from their
+        owners, ``step_rows.StepRows``)."""
         uniq, inverse = torch.unique(tokens.cpu(), return_inverse=True)
-        slots = self.slot_of[uniq]
+        positions = positions_in_step(step_ids, uniq)
+        slots = positions if by_position else self.slot_of[uniq]
         if uniq.numel() and int(slots.min()) < 0:
             raise RuntimeError("a micro-batch reads rows its step did not admit to the working set: fetch with the "
                                "step's announced ids after store.admit (RowPrefetcher does both)")
         with self.h2d.transfer() as send:
             order = RowOrder(*(send.copy(t) for t in RowOrder.of(inverse.t(), uniq.numel())))
             at, inverse = send.copy(slots), send.copy(inverse)
-            in_step = send.copy(positions_in_step(step_ids, uniq))
+            in_step = at if by_position else send.copy(positions)
         stats = dict(unique_tokens=uniq.numel(), rows_fetched=0, bytes_to_device=0, cache_hits=0, cache_lookups=0)
         return PrefetchedRows(uniq, inverse, Fetched({}, send.ready, stats), in_step, order, slots=at)
 
