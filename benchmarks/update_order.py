@@ -13,11 +13,15 @@ set, ``held`` splits into the slots' AdamW (``update s``: on a GPU a device kern
 docs/gpu_step_v2.md, here DeepSpeed's kernel on these cores) and the host's part (``host s``: admitting the next
 step's rows, the dense decay of entering rows): what would stay on the path on a GPU. During the "device step" the
 working set loads the step after's entering rows ahead (``store.preload``, lazy Adam), as the prefetch thread
-does; ``at end`` counts the rows that still entered at the step's end, on the path.
+does; ``at end`` counts the rows that still entered at the step's end, on the path. ``--nodes N`` runs N processes as N
+emulated nodes (one DP rank each, ``--tokens`` each; rank 0's figures): the host step then also pulls the rows other
+nodes updated, and a working set holds the rows its rank owns and sends them back to the ranks that read them;
+``MB sent`` is what rank 0 sent a step (row gradients, rows, ids); ``back s``, of ``host s``, the working set's rows sent
+back from their owners (``StepRows.receive``).
 
 Run: ``.venv/bin/python benchmarks/update_order.py [--tokens 32768] [--cols 512] [--layers 2]
-[--device-step 0.5] [--steps 6] [--repeats 2] [--resident 16384]`` (about two minutes on 2 CPU cores; host memory
-~12 x V x cols x layers bytes, and as much again for the working set).
+[--device-step 0.5] [--steps 6] [--repeats 2] [--resident 16384] [--nodes 1]`` (about two minutes on 2 CPU cores; host
+memory ~12 x V x cols x layers bytes a node, and as much again for the working set).
 """
 
 from __future__ import annotations
@@ -44,24 +48,29 @@ from benchmarks.row_sync import DEFAULT_COUNTS, backward_one_step, load_counts  
 
 
 def _run(rank: int, port: int, p: np.ndarray, args, plans: list[tuple[str, bool, int]], out: str) -> None:
-    """Each plan (optimizer, overlap, working-set rows) in turn, in this one process: its store's steps timed."""
-    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                      GROUP_RANK="0")
+    """Each plan (optimizer, overlap, working-set rows) in turn, in this process (emulated node ``rank``): its store's
+    steps timed; rank 0 keeps its records."""
+    os.environ.update(RANK=str(rank), LOCAL_RANK="0", WORLD_SIZE=str(args.nodes), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port), GROUP_RANK=str(rank))  # GROUP_RANK: torchrun's node number
+    if args.nodes > 1:
+        torch.set_num_threads(max(1, os.cpu_count() // args.nodes))
     from stem_megatron import parallel
 
     parallel.initialize(1, 1, 0)
     try:
-        results = [_steps(p, args, *plan) for plan in plans]
+        results = [_steps(p, args, rank, *plan) for plan in plans]
     finally:
         parallel.destroy()
-    torch.save(results, os.path.join(out, "records.pt"))
+    if rank == 0:
+        torch.save(results, os.path.join(out, "records.pt"))
 
 
-def _steps(p: np.ndarray, args, optimizer: str, overlap: bool, resident: int) -> list[dict]:
+def _steps(p: np.ndarray, args, rank: int, optimizer: str, overlap: bool, resident: int) -> list[dict]:
     from stem_megatron.host_tables.store import HostTableStore
 
     def draw(step: int) -> torch.Tensor:
-        return torch.from_numpy(np.random.default_rng(step).choice(len(p), size=args.tokens, p=p)).view(1, -1)
+        rng = np.random.default_rng(step if args.nodes == 1 else [step, rank])
+        return torch.from_numpy(rng.choice(len(p), size=args.tokens, p=p)).view(1, -1)
 
     store = HostTableStore(list(range(1, args.layers + 1)), len(p), args.cols, init_std=0.02, seed=0,
                            optimizer=optimizer, overlap_update=overlap, resident_rows=resident)
@@ -83,7 +92,8 @@ def _steps(p: np.ndarray, args, optimizer: str, overlap: bool, resident: int) ->
         records.append(dict(held=held, later=stats["stem_rows_updated_later"],
                             rows=stats["stem_node_rows_updated"], beside=stats["stem_cpu_adam_overlapped_s"],
                             wait=stats["stem_adam_wait_s"], update=stats.get("stem_resident_update_s", 0.0),
-                            entered=stats.get("stem_rows_entered", 0) - stats.get("stem_rows_entered_ahead", 0)))
+                            entered=stats.get("stem_rows_entered", 0) - stats.get("stem_rows_entered_ahead", 0),
+                            sent=stats["stem_bytes_sent"], back=stats.get("stem_receive_s", 0.0)))
     store.settle()
     del store
     gc.collect()  # its tables (tmpfs) go before the next plan's are made
@@ -95,7 +105,7 @@ def measure(p: np.ndarray, args, plans: list[tuple[str, bool, int]]) -> list[lis
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_run, args=(get_free_port(), p, args, plans, tmp), nprocs=1, join=True)
+        mp.spawn(_run, args=(get_free_port(), p, args, plans, tmp), nprocs=args.nodes, join=True)
         return torch.load(os.path.join(tmp, "records.pt"))
 
 
@@ -109,14 +119,15 @@ def main(argv=None) -> None:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--resident", type=int, default=16384, help="working-set rows a layer (0: no such arm)")
+    parser.add_argument("--nodes", type=int, default=1, help="emulated nodes, a DP rank each")
     args = parser.parse_args(argv)
     counts = load_counts(args.counts)
     p = counts / counts.sum()
     print(f"CPU Adam on the critical path: V={len(p):,}, {args.tokens:,} tokens a step from {args.counts.name}, "
           f"{args.layers} layers x {args.cols} columns, {torch.get_num_threads()} OpenMP threads, device step "
-          f"{args.device_step} s; medians of {args.repeats} x {args.steps - 1} steps")
+          f"{args.device_step} s, {args.nodes} node(s); medians of {args.repeats} x {args.steps - 1} steps")
     print(f"{'optimizer':9} {'order':16} {'held s':>8} {'vs serial':>9} {'beside s':>9} {'wait s':>7} "
-          f"{'rows/step':>10} {'not read next':>13} {'update s':>9} {'host s':>7} {'at end':>8}")
+          f"{'rows/step':>10} {'not read next':>13} {'MB sent':>8} {'update s':>9} {'host s':>7} {'back s':>7} {'at end':>8}")
     arms = {"serial": (False, 0), "next-use first": (True, 0)}
     if args.resident:
         arms["working set"] = (True, args.resident)
@@ -135,10 +146,12 @@ def main(argv=None) -> None:
             resident = arms[arm][1] > 0
             split = (f" {statistics.median(r['update'] for r in records):9.3f} "
                      f"{statistics.median(r['held'] - r['update'] for r in records):7.3f} "
+                     f"{statistics.median(r['back'] for r in records):7.3f} "
                      f"{statistics.median(r['entered'] for r in records):8,.0f}") if resident else ""
             print(f"{optimizer:9} {arm:16} {held:8.3f} {held / serial:8.2f}x "
                   f"{statistics.median(r['beside'] for r in records):9.3f} "
-                  f"{statistics.median(r['wait'] for r in records):7.3f} {rows:10,.0f} {later:12.0%}{split}")
+                  f"{statistics.median(r['wait'] for r in records):7.3f} {rows:10,.0f} {later:12.0%} "
+                  f"{statistics.median(r['sent'] for r in records) / 1e6:8.1f}{split}")
 
 
 if __name__ == "__main__":

@@ -41,5 +41,5 @@ def test_update_order_reports_both_optimizers_in_both_orders_and_the_working_set
     rows = [line.split() for line in out.splitlines() if line.startswith(("lazy", "dense"))]
     assert [r[0] for r in rows] == ["lazy"] * 3 + ["dense"] * 3, out
     resident = [r for r in rows if "working" in r]
-    assert len(resident) == 2 and all(len(r) == len(rows[0]) + 4 for r in resident), out
+    assert len(resident) == 2 and all(len(r) == len(rows[0]) + 5 for r in resident), out
     assert all(int(r[-1].replace(",", "")) > 0 for r in resident), out  # rows entered the 64-row set each step
