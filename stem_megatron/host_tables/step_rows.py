@@ -7,9 +7,9 @@ the next step back along that step's routes reversed (``RowExchange.from_owners`
 node's DP peers), in the dtype rows travel in, every layer at once, on the training thread where every rank issues
 the step's other collectives. A rank keeps the rows of its next step's distinct ids, which the forward reads by
 position among them (``WorkingSet.fetch(by_position=True)``). Readers hold no optimizer state: a row changes only
-at its owner. Bytes: a rank receives its step's distinct rows once (U x cols in the travel dtype, a layer: 0.53 GB
-a step at 1B STEM-1/3, TP 1, bf16), where the host path pulls them across nodes into host memory, gathers them
-there and copies them to the device.
+at its owner. Bytes: a rank receives its step's distinct rows once (U x cols a layer in the travel dtype: 0.53 GB a
+step over 1B STEM-1/3's 5 layers at TP 1 in bf16), where the host path pulls them across nodes into host memory,
+gathers them there and copies them to the device.
 """
 
 from __future__ import annotations
