@@ -106,7 +106,7 @@ class WorkingSet:
         """Slots to ``capacity``, keeping the resident rows where they are; ``step_ids``: the distinct ids of the step
         that needs them (said in one line), 0 when the set is made."""
         if step_ids and dist.is_initialized() and dist.get_rank() == 0:
-            print(f"stem.resident_rows: a step needs {step_ids} rows in the working set; it grows from "
+            print(f"stem.resident_rows: a step needs {step_ids} rows here; the working set grows from "
                   f"{self.capacity} to {capacity} rows a layer (set stem.resident_rows to at least that)", flush=True)
         more = capacity - self.capacity
         self.ids = torch.cat([self.ids, torch.full((more,), -1, dtype=torch.int64)])
