@@ -16,8 +16,8 @@ working set loads the step after's entering rows ahead (``store.preload``, lazy 
 does; ``at end`` counts the rows that still entered at the step's end, on the path. ``--nodes N`` runs N processes as N
 emulated nodes (one DP rank each, ``--tokens`` each; rank 0's figures): the host step then also pulls the rows other
 nodes updated, and a working set holds the rows its rank owns and sends them back to the ranks that read them;
-``MB sent`` is what rank 0 sent a step (row gradients, rows, ids); ``back s``, of ``host s``, the working set's rows sent
-back from their owners (``StepRows.receive``).
+``MB sent`` is what rank 0 sent a step (row gradients, rows, ids); ``back s``, of ``host s``, the working set's rows
+sent back from their owners (``StepRows.receive``).
 
 Run: ``.venv/bin/python benchmarks/update_order.py [--tokens 32768] [--cols 512] [--layers 2]
 [--device-step 0.5] [--steps 6] [--repeats 2] [--resident 16384] [--nodes 1]`` (about two minutes on 2 CPU cores; host
@@ -127,7 +127,8 @@ def main(argv=None) -> None:
           f"{args.layers} layers x {args.cols} columns, {torch.get_num_threads()} OpenMP threads, device step "
           f"{args.device_step} s, {args.nodes} node(s); medians of {args.repeats} x {args.steps - 1} steps")
     print(f"{'optimizer':9} {'order':16} {'held s':>8} {'vs serial':>9} {'beside s':>9} {'wait s':>7} "
-          f"{'rows/step':>10} {'not read next':>13} {'MB sent':>8} {'update s':>9} {'host s':>7} {'back s':>7} {'at end':>8}")
+          f"{'rows/step':>10} {'not read next':>13} {'MB sent':>8} {'update s':>9} {'host s':>7} {'back s':>7} "
+          f"{'at end':>8}")
     arms = {"serial": (False, 0), "next-use first": (True, 0)}
     if args.resident:
         arms["working set"] = (True, args.resident)
