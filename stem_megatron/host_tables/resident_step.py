@@ -16,6 +16,7 @@ the rows' reads, and ``store.step`` with it, which runs between the clip and the
 from __future__ import annotations
 
 import time
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -39,8 +40,10 @@ class ResidentRows:
                                        host, self.adam, ahead=optimizer == "lazy" and alone)
             if not alone:
                 self.step_rows = StepRows(self.layers, self.exchange, self.resident)
-            self.mine = torch.zeros(self.vocab_size, dtype=torch.bool)  # the rows this rank updates
-            self.mine[self.own.my_rows()] = True
+            mine = self.own.my_rows()  # the rows this rank updates: a mask over ids, and their count
+            self.mine = torch.zeros(self.vocab_size, dtype=torch.bool)
+            self.mine[mine] = True
+            self._mine_rows = mine.numel()
 
     def drop_resident(self) -> None:
         """The host record was loaded anew: the working set (if any) forgets its rows."""
@@ -64,12 +67,17 @@ class ResidentRows:
         those this rank owns, and every rank's rows sent to it. Collective over the DP group (``plan``, ``receive``)."""
         if self.resident is not None:
             self.updates.settle()
-            routes, owned = self.plan(ids)
-            land = self.resident.admit(owned)
+            land = self._enter(*self.plan(ids))
             if land is not None:
                 land()
-            if self.step_rows is not None:
-                self.step_rows.receive(routes, owned)
+
+    def _enter(self, routes: list, owned: torch.Tensor) -> Optional[Callable[[], None]]:
+        """A planned step's rows this rank updates (``owned``) admitted to the working set, then (DP > 1) every rank's
+        rows of it received from their owners. Returns the landing of the rows that left (``WorkingSet.admit``)."""
+        land = self.resident.admit(owned)
+        if self.step_rows is not None:
+            self.step_rows.receive(routes, owned)
+        return land
 
     def preload(self, ids: torch.Tensor) -> None:
         """(prefetch thread) A training step's ids were announced: with a working set and lazy Adam, their rows
@@ -80,13 +88,12 @@ class ResidentRows:
     def _step_resident(self, step: int, lr: float, next_ids: torch.Tensor) -> None:
         """``step`` with a working set: step ``step``; ``next_ids``: the next step's ids."""
         ws, dense, none = self.resident, self.mode == "dense", torch.empty(0, dtype=torch.int64)
-        mine = int(self.mine.sum())
 
         def update() -> None:
             for layer in self.layers:
                 ids, grads, _ = self._grads.pop(layer, (none, torch.empty(0, self.cols, device=self.device), None))
                 ws.update(step, lr, layer, ids, grads, dense)
-                self._stats["rows_updated"] += mine if dense else ids.numel()
+                self._stats["rows_updated"] += self._mine_rows if dense else ids.numel()
 
         def decay(ids: torch.Tensor) -> None:
             rows = torch.sort(self.own.local(ids)).values
@@ -107,11 +114,9 @@ class ResidentRows:
             entering, rest = (outside & read).nonzero().squeeze(1), (outside & ~read).nonzero().squeeze(1)
             self.updates.now(lambda: decay(entering))
             self._stats["rows_updated_later"] += rest.numel() * len(self.layers)
-        land = ws.admit(owned)
-        if self.step_rows is not None:
-            self.step_rows.receive(routes, owned)
-            if self.node.rail is not None:
-                self.current.fill_(False)
+        land = self._enter(routes, owned)
+        if self.step_rows is not None and self.node.rail is not None:
+            self.current.fill_(False)  # rows other nodes own changed there, not in this node's copy
         self.steps_done = step
 
         def later() -> None:
