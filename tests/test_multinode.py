@@ -122,22 +122,24 @@ def test_owners_working_sets_on_two_nodes_train_bitwise_like_the_host_step(corpu
     """2 nodes x 2 DP peers with working sets (``stem.resident_rows``): each rank's set holds the rows it owns that
     the group reads, updates them with every rank's gradients and sends them back along the exchange's routes
     reversed (rail, then node). Against the host step at the same layout, with a validation pass and a checkpoint
-    mid-run (both read the host copies: written back, pulled across nodes): losses, grad norms, validation losses
-    and every exported weight bitwise equal. The collective audit of step 2: one order on every rank, from the
-    main thread; the rows' way back is the step's last two collectives, the gradients' two levels reversed, and no
-    refresh of the host copies (its node barrier) remains."""
+    at step 3 (both read the host copies: written back, pulled across nodes), where the run stops and resumes:
+    steps, losses, grad norms, validation losses and every exported weight bitwise equal. The collective audit of
+    step 2: one order on every rank, from the main thread; the rows' way back is the step's last two collectives,
+    the gradients' two levels reversed, and no refresh of the host copies (its node barrier) remains."""
     batch = ("train.global_batch_size=8", "stem.optimizer=lazy", "train.eval_interval=3", "train.eval_iters=1",
              "checkpoint.save_interval=3", "logging.collective_audit=2")
-    runs = {rows: _run(corpus, tmp_path / str(rows), "dp2", 2, 2, *batch, f"stem.resident_rows={rows}")
-            for rows in (0, 8)}
-    (host, host_weights), (resident, weights) = runs[0], runs[8]
-    keys = ("loss", "grad_norm", "valid_loss")
+    host, host_weights = _run(corpus, tmp_path / "0", "dp2", 2, 2, *batch, "stem.resident_rows=0")
+    first, _ = _run(corpus, tmp_path / "8", "dp2", 2, 2, *batch, "stem.resident_rows=8", "train.exit_after_steps=3",
+                    export=False)
+    assert [r["step"] for r in first] == [1, 2, 3]
+    resident, weights = _run(corpus, tmp_path / "8", "dp2", 2, 2, *batch, "stem.resident_rows=8")
+    keys = ("step", "loss", "grad_norm", "valid_loss")
     assert [[r.get(k) for k in keys] for r in resident] == [[r.get(k) for k in keys] for r in host]
     assert sum("valid_loss" in r for r in host) == 2
     assert sum(r["stem_rows_left"] for r in resident) > 0 and sum(r["stem_node_bytes_sent"] for r in resident) > 0
     assert weights.keys() == host_weights.keys() and any(".U_l." in name for name in weights)
     assert all(torch.equal(weights[n], host_weights[n]) for n in host_weights)
-    audits = {rows: json.loads((tmp_path / str(rows) / "collective_audit_step2.json").read_text()) for rows in runs}
+    audits = {rows: json.loads((tmp_path / str(rows) / "collective_audit_step2.json").read_text()) for rows in (0, 8)}
     for audit in audits.values():
         assert audit["divergence"] is None, audit["summary"]
         assert set(audit["threads"]) == {"MainThread"}, audit["threads"]
