@@ -42,6 +42,23 @@ def test_groups_a_pair_does_not_share_may_interleave_in_any_order():
     assert "part at their collective 1" in first_divergence(p2p)
 
 
+def test_a_side_threads_own_group_is_compared_apart_and_as_far_as_both_ranks_recorded_it():
+    """The prefetch thread plans on groups of its own (``NodeLayout.local_plan``): its calls interleave with the
+    training thread's differently on each rank without harm, and one rank may record more of them in the step. Their
+    own order still counts, and a group both threads issue on is one lane again."""
+    dp, plan = ("dp", [0, 1]), ("plan", [0, 1])
+    side = {0: [_call("all_to_all_single", *plan, "stem-prefetch"), _call("reduce_scatter", *dp),
+                _call("allgather", *plan, "stem-prefetch")],
+            1: [_call("reduce_scatter", *dp), _call("all_to_all_single", *plan, "stem-prefetch")]}
+    assert first_divergence(side) is None
+    side[1].append(_call("allreduce", *plan, "stem-prefetch"))
+    assert first_divergence(side) == ("ranks 0 and 1 part at their collective 2 on group plan of a side thread: "
+                                      "rank 0 issues allgather on group plan from stem-prefetch, rank 1 issues "
+                                      "allreduce on group plan from stem-prefetch")
+    side[1][-1] = _call("allgather", *plan)  # the main thread on the side thread's group: rank 1's one lane
+    assert first_divergence(side).startswith("ranks 0 and 1 part at their collective 2 on shared groups")
+
+
 def test_a_synchronising_call_is_charged_to_our_innermost_frame_and_the_torch_function_under_it():
     frame = traceback.FrameSummary
     stack = traceback.StackSummary.from_list([

@@ -8,6 +8,10 @@ where every backend and every thread meets it, a method of ``ProcessGroup``, for
 (the class's methods are wrapped for that step and restored after it; nothing else is changed). After the step
 the records meet on rank 0, which writes ``<out_dir>/collective_audit_step<N>.json`` and prints one line: the
 collectives by thread, and where two ranks' orders on the groups they share part (``first_divergence``).
+
+A group only one side thread issues on (the prefetch thread's planning groups) cannot interleave with another
+thread's collectives, so its calls are compared apart, and only as far as both ranks recorded them: a side thread's
+calls begin and end at times of their own, not the step's.
 """
 
 from __future__ import annotations
@@ -102,15 +106,34 @@ def _kind(call: dict) -> tuple[str, str]:
 
 def first_divergence(calls: dict[int, list[dict]]) -> Optional[str]:
     """Where two ranks' collectives on the groups they share (pairs, for send/recv) first differ, in words;
-    None when every pair of ranks issues them in one order."""
+    None when every pair of ranks issues them in one order. The calls of a side thread's own groups are compared
+    group by group, as far as both ranks recorded them."""
+    lanes = {rank: _lanes(rank_calls) for rank, rank_calls in calls.items()}
     for a, b in itertools.combinations(sorted(calls), 2):
-        mine = [c for c in calls[a] if b in c["ranks"]]
-        theirs = [c for c in calls[b] if a in c["ranks"]]
-        for i, (x, y) in enumerate(itertools.zip_longest(mine, theirs)):
-            if x is None or y is None or _kind(x) != _kind(y):
-                return (f"ranks {a} and {b} part at their collective {i + 1} on shared groups: {_said(a, x)}, "
-                        f"{_said(b, y)}")
+        for lane in sorted(set(lanes[a]) | set(lanes[b])):
+            mine = [c for c in lanes[a].get(lane, []) if b in c["ranks"]]
+            theirs = [c for c in lanes[b].get(lane, []) if a in c["ranks"]]
+            if lane:
+                mine, theirs = mine[:len(theirs)], theirs[:len(mine)]
+            for i, (x, y) in enumerate(itertools.zip_longest(mine, theirs)):
+                if x is None or y is None or _kind(x) != _kind(y):
+                    where = f"on group {lane} of a side thread" if lane else "on shared groups"
+                    return (f"ranks {a} and {b} part at their collective {i + 1} {where}: {_said(a, x)}, "
+                            f"{_said(b, y)}")
     return None
+
+
+def _lanes(calls: list[dict]) -> dict[str, list[dict]]:
+    """One rank's calls by lane: each group only one thread other than the main thread issues on has its own (named
+    by the group), every other call is in lane ""."""
+    threads: dict[str, set] = {}
+    for call in calls:
+        threads.setdefault(call["group"], set()).add(call["thread"])
+    lanes: dict[str, list[dict]] = {}
+    for call in calls:
+        own = threads[call["group"]] == {call["thread"]} and call["thread"] != "MainThread"
+        lanes.setdefault(call["group"] if own else "", []).append(call)
+    return lanes
 
 
 def _said(rank: int, call: Optional[dict]) -> str:
