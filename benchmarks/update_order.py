@@ -12,12 +12,12 @@ seconds the next step waited for them, and the share of updated rows that were n
 set, ``held`` splits into the slots' AdamW (``update s``: on a GPU a device kernel of ~4-12 ms by
 docs/gpu_step_v2.md, here DeepSpeed's kernel on these cores) and the host's part (``host s``: admitting the next
 step's rows, the dense decay of entering rows): what would stay on the path on a GPU. During the "device step" the
-working set loads the step after's entering rows ahead (``store.preload``, lazy Adam), as the prefetch thread
-does; ``at end`` counts the rows that still entered at the step's end, on the path. ``--nodes N`` runs N processes as N
-emulated nodes (one DP rank each, ``--tokens`` each; rank 0's figures): the host step then also pulls the rows other
-nodes updated, and a working set holds the rows its rank owns and sends them back to the ranks that read them;
-``MB sent`` is what rank 0 sent a step (row gradients, rows, ids); ``back s``, of ``host s``, the working set's rows
-sent back from their owners (``StepRows.receive``).
+working set loads the step after's entering rows ahead (``store.plan_ahead``, ``store.preload``, lazy Adam), as the
+prefetch thread does; ``at end`` counts the rows that still entered at the step's end, on the path. ``--nodes N``
+runs N processes as N emulated nodes (one DP rank each, ``--tokens`` each; rank 0's figures): the host step then
+also pulls the rows other nodes updated, and a working set holds the rows its rank owns and sends them back to the
+ranks that read them; ``MB sent`` is what rank 0 sent a step (row gradients, rows, ids); ``back s``, of ``host s``,
+the working set's rows sent back from their owners (``StepRows.receive``).
 
 Run: ``.venv/bin/python benchmarks/update_order.py [--tokens 32768] [--cols 512] [--layers 2]
 [--device-step 0.5] [--steps 6] [--repeats 2] [--resident 16384] [--nodes 1]`` (about two minutes on 2 CPU cores; host
@@ -79,6 +79,8 @@ def _steps(p: np.ndarray, args, rank: int, optimizer: str, overlap: bool, reside
         store.exp_avg_sq[layer].zero_()
     store.refresh(torch.unique(draw(1)))
     store.admit(torch.unique(draw(1)))
+    store.begin_planning_ahead()  # (working set, lazy, DP > 1) each step planned as announced, not at its end
+    store.preload(store.plan_ahead(torch.unique(draw(2))))
     records = []
     for step in range(1, args.steps + 1):
         backward_one_step(store, draw(step))
@@ -86,7 +88,8 @@ def _steps(p: np.ndarray, args, rank: int, optimizer: str, overlap: bool, reside
         store.step(1e-3, torch.unique(draw(step + 1)))
         held = time.perf_counter() - start
         start = time.perf_counter()  # the device's forward and backward of the next step, during which the
-        store.preload(torch.unique(draw(step + 2)))  # prefetcher announces the step after it (working set, lazy)
+        announced = torch.unique(draw(step + 2))  # prefetcher announces the step after it (working set, lazy)
+        store.preload(store.plan_ahead(announced))
         time.sleep(max(0.0, args.device_step - (time.perf_counter() - start)))
         stats = store.take_stats()
         records.append(dict(held=held, later=stats["stem_rows_updated_later"],

@@ -124,8 +124,9 @@ def test_owners_working_sets_on_two_nodes_train_bitwise_like_the_host_step(corpu
     reversed (rail, then node). Against the host step at the same layout, with a validation pass and a checkpoint
     at step 3 (both read the host copies: written back, pulled across nodes), where the run stops and resumes:
     steps, losses, grad norms, validation losses and every exported weight bitwise equal. The collective audit of
-    step 2: one order on every rank, from the main thread; the rows' way back is the step's last two collectives,
-    the gradients' two levels reversed, and no refresh of the host copies (its node barrier) remains."""
+    step 2: one order on every rank; from the main thread but for the prefetch thread's plan of step 3, on groups no
+    other thread uses; the rows' way back is the main thread's last two collectives, the gradients' two levels
+    reversed, and no refresh of the host copies (its node barrier) remains."""
     batch = ("train.global_batch_size=8", "stem.optimizer=lazy", "train.eval_interval=3", "train.eval_iters=1",
              "checkpoint.save_interval=3", "logging.collective_audit=2")
     host, host_weights = _run(corpus, tmp_path / "0", "dp2", 2, 2, *batch, "stem.resident_rows=0")
@@ -137,13 +138,18 @@ def test_owners_working_sets_on_two_nodes_train_bitwise_like_the_host_step(corpu
     assert [[r.get(k) for k in keys] for r in resident] == [[r.get(k) for k in keys] for r in host]
     assert sum("valid_loss" in r for r in host) == 2
     assert sum(r["stem_rows_left"] for r in resident) > 0 and sum(r["stem_node_bytes_sent"] for r in resident) > 0
+    assert sum(r["stem_rows_entered_ahead"] for r in resident) > 0  # beside the step before, as planned ahead
     assert weights.keys() == host_weights.keys() and any(".U_l." in name for name in weights)
     assert all(torch.equal(weights[n], host_weights[n]) for n in host_weights)
     audits = {rows: json.loads((tmp_path / str(rows) / "collective_audit_step2.json").read_text()) for rows in (0, 8)}
     for audit in audits.values():
         assert audit["divergence"] is None, audit["summary"]
-        assert set(audit["threads"]) == {"MainThread"}, audit["threads"]
-    for calls in audits[8]["calls"].values():  # gradients out: node, then rail; rows back, last: rail, then node
+    assert set(audits[0]["threads"]) == {"MainThread"}, audits[0]["threads"]
+    assert set(audits[8]["threads"]) <= {"MainThread", "stem-prefetch"}, audits[8]["threads"]
+    for every in audits[8]["calls"].values():  # gradients out: node, then rail; rows back, last: rail, then node
+        calls = [c for c in every if c["thread"] == "MainThread"]
+        ahead = {c["group"] for c in every if c["thread"] == "stem-prefetch"}  # step 3 planned: groups of its own
+        assert ahead.isdisjoint(c["group"] for c in calls), every
         dp = next(i for i, c in enumerate(calls) if c["op"].startswith("reduce_scatter"))
         out = [c["group"] for c in calls[:dp] if c["op"] == "all_to_all_single"]
         back = calls[-2:]

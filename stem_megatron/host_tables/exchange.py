@@ -6,7 +6,8 @@ not batch tokens, and no expert all-to-all appears. Two levels (``ownership.RowO
 - between nodes, the peers of one class form a "rail" (one rank per node, ordered by node) and send
   each row to its owner node.
 A step's gradient rows are the step's distinct ids, the same for every layer, so where each goes is worked out
-once a step, on the host over the groups' gloo twins (``plan``: ids only, no device work); each layer's rows then
+once a step, on the host over the groups' gloo twins (``plan``: ids only, no device work; with a working set the
+prefetch thread plans each step ahead, over gloo groups of its own); each layer's rows then
 follow that plan (``to_owners``: one all-to-all per level, split sizes known, nothing to wait for). With a working
 set at DP > 1 the owners send the updated rows back along the same plan reversed (``from_owners``). Rows run on
 the compute device's backend (NCCL on GPU, gloo on CPU). ``stats`` counts the bytes this rank sends at both levels and,
@@ -17,7 +18,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Sequence
 
 import torch
@@ -43,6 +44,12 @@ class Route:
     ids: torch.Tensor  # sorted ids this rank holds after the level (host)
     wire: torch.dtype
 
+    def on(self, device: torch.device) -> Route:
+        """The route with its positions on ``device`` (a plan made on the prefetch thread keeps them on the host
+        until the training thread takes it: its copies then go where today's do, on that thread's stream)."""
+        keep, send, inverse = (t.to(device, non_blocking=True) for t in (self.keep, self.send, self.inverse))
+        return replace(self, keep=keep, send=send, inverse=inverse)
+
 
 class RowExchange:
     def __init__(self, ownership: RowOwnership, node: NodeLayout, device: torch.device, wire_dtype: str = "fp32"):
@@ -50,6 +57,7 @@ class RowExchange:
         class on every node, group rank = node index (None: one node); ``*_host``: their gloo twins."""
         self.own, self.device = ownership, device
         self.local, self.rail, self.local_host, self.rail_host = node.local, node.rail, node.local_host, node.rail_host
+        self.local_plan, self.rail_plan = node.local_plan, node.rail_plan
         self.wire = DTYPES[wire_dtype]
         self.stats = self.new_stats()
 
@@ -58,19 +66,24 @@ class RowExchange:
         return dict(bytes_sent=0, inter_node_sent=0, inter_node_received=0, exchange_s=0.0)
 
     def _count(self, group, sent: int, received: int) -> None:
+        if group is not None and group in (self.local_plan, self.rail_plan):
+            return  # the prefetch thread's ids, off the step's path: not this thread's counters
         self.stats["bytes_sent"] += sent
         if group in (self.rail, self.rail_host):
             self.stats["inter_node_sent"] += sent
             self.stats["inter_node_received"] += received
 
     # ---- gradients ----
-    def plan(self, ids: torch.Tensor) -> tuple[list[Route], torch.Tensor]:
+    def plan(self, ids: torch.Tensor, ahead: bool = False) -> tuple[list[Route], torch.Tensor]:
         """How the rows of a step's gradients (one per sorted distinct id in ``ids``, on the host) reach their
         owners: the routes of both levels and the sorted ids this rank then holds, those it updates. A collective
-        over the gloo twins of the node and rail groups, ids only."""
+        over the gloo twins of the node and rail groups, ids only; ``ahead``: over the planning groups instead
+        (``NodeLayout.local_plan``, the prefetch thread's), not counted in this rank's exchange time, the routes'
+        positions left on the host (``Route.on``)."""
         start, routes = time.perf_counter(), []
-        levels = ((self.local, self.local_host, self.own.peer_of, self.own.peer, torch.float32),
-                  (self.rail, self.rail_host, self.own.owner, self.own.node, self.wire))
+        local, rail = (self.local_plan, self.rail_plan) if ahead else (self.local_host, self.rail_host)
+        levels = ((self.local, local, self.own.peer_of, self.own.peer, torch.float32),
+                  (self.rail, rail, self.own.owner, self.own.node, self.wire))
         for group, host, dest_of, me, wire in levels:
             if group is None:
                 continue
@@ -81,10 +94,11 @@ class RowExchange:
             counts = torch.bincount(dest[send], minlength=dist.get_world_size(host))
             received, (got,) = self._all_to_all(host, counts, ids[send], device=torch.device("cpu"))
             merged, inverse = torch.unique(torch.cat([ids[keep], got]), return_inverse=True)
-            keep, send, inverse = (t.to(self.device, non_blocking=True) for t in (keep, send, inverse))
-            routes.append(Route(group, keep, send, counts.tolist(), received.tolist(), inverse, merged, wire))
+            route = Route(group, keep, send, counts.tolist(), received.tolist(), inverse, merged, wire)
+            routes.append(route if ahead else route.on(self.device))
             ids = merged
-        self.stats["exchange_s"] += time.perf_counter() - start
+        if not ahead:
+            self.stats["exchange_s"] += time.perf_counter() - start
         return routes, ids
 
     def to_owners(self, routes: Sequence[Route], grads: torch.Tensor) -> torch.Tensor:

@@ -40,6 +40,10 @@ class NodeLayout:
     # the groups themselves where the world's backend is gloo already
     local_host: Optional[dist.ProcessGroup] = None
     rail_host: Optional[dist.ProcessGroup] = None
+    # gloo groups of the same ranks for the prefetch thread alone (``node_layout(planning=True)``), which plans each
+    # announced step ahead of the training thread: groups no other thread issues on keep every thread's order one
+    local_plan: Optional[dist.ProcessGroup] = None
+    rail_plan: Optional[dist.ProcessGroup] = None
 
     @property
     def peer_index(self) -> int:
@@ -65,27 +69,30 @@ def host_threads(device: torch.device) -> int:
     return max(1, len(os.sched_getaffinity(0)) // int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
 
 
-def node_layout(dp_ranks: Sequence[int]) -> NodeLayout:
-    """Collective over the world: every rank passes the global ranks of its DP group.
+def node_layout(dp_ranks: Sequence[int], planning: bool = False) -> NodeLayout:
+    """Collective over the world: every rank passes the global ranks of its DP group (and the same ``planning``).
 
     Besides the node groups, creates for every DP group one group per node (its peers there) and one
-    "rail" per peer index (that peer on every node); every DP group must have as many peers on each of
-    its nodes, and ranks numbered node by node (as torchrun and SLURM number them)."""
+    "rail" per peer index (that peer on every node), with their gloo twins and (``planning``) the prefetch
+    thread's gloo groups; every DP group must have as many peers on each of its nodes, and ranks numbered node by
+    node (as torchrun and SLURM number them)."""
     world = dist.get_world_size()
     nodes: list = [None] * world
     dist.all_gather_object(nodes, (launcher_node(), tuple(sorted(dp_ranks))))
     dp_groups = sorted({dp for _, dp in nodes})
     nodes = [n for n, _ in nodes]
     me, node = dist.get_rank(), nodes[dist.get_rank()]
-    group = local = rail = local_host = rail_host = None
+    group = None
+    local = rail = (None, None, None)
     on_gloo = dist.get_backend() == "gloo"
 
     def new_groups(ranks: list[int]) -> tuple:
-        """(the group on the world's backend, its gloo twin), or Nones for a rank alone."""
+        """(the group on the world's backend, its gloo twin, the planning group), or Nones for a rank alone."""
         if len(ranks) < 2:
-            return None, None
+            return None, None, None
         device = dist.new_group(ranks)
-        return device, device if on_gloo else dist.new_group(ranks, backend="gloo")
+        twin = device if on_gloo else dist.new_group(ranks, backend="gloo")
+        return device, twin, dist.new_group(ranks, backend="gloo") if planning else None
 
     for n in sorted(set(nodes)):  # every rank creates every group, in the same order
         g = dist.new_group([r for r, m in enumerate(nodes) if m == n], backend="gloo")  # host-side sync
@@ -104,14 +111,15 @@ def node_layout(dp_ranks: Sequence[int]) -> NodeLayout:
         for ranks in ordered:
             groups = new_groups(ranks)
             if me in ranks:
-                (local, local_host), mine = groups, ordered
+                local, mine = groups, ordered
         for rail_ranks in zip(*ordered):
             groups = new_groups(list(rail_ranks))
             if me in rail_ranks:
-                rail, rail_host = groups
+                rail = groups
     local_peers = next(ranks for ranks in mine if me in ranks)
     return NodeLayout(node=node, group=group, local_dp_peers=local_peers, dp_node=mine.index(local_peers),
-                      dp_nodes=len(mine), local=local, rail=rail, local_host=local_host, rail_host=rail_host)
+                      dp_nodes=len(mine), local=local[0], rail=rail[0], local_host=local[1], rail_host=rail[1],
+                      local_plan=local[2], rail_plan=rail[2])
 
 
 class HostMemoryError(RuntimeError):

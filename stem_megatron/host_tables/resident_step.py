@@ -9,12 +9,15 @@ the rows' reads, and ``store.step`` with it, which runs between the clip and the
    step is planned first (``plan``): a rank admits the rows it owns of those any rank reads, and after the admission
    every rank receives its next step's rows from their owners (``step_rows.StepRows.receive``), at this one place on
    every rank; rows other nodes own are stale in this node's host copy from here until a ``refresh`` pulls them.
+   With lazy Adam the prefetch thread has planned that step already, as it announced it (``plan_ahead``, over
+   groups of its own), and its owned rows not resident were loaded beside the step before (``preload``).
 4. Beside the next step (``stem.overlap_update``), on the Adam thread: the leaving rows landed in the host record, and
    dense Adam's other rows. The next step's ``step`` (and ``settle``, ``refresh``) waits for them first.
 """
 
 from __future__ import annotations
 
+import queue
 import time
 from typing import Callable, Optional
 
@@ -32,13 +35,13 @@ class ResidentRows:
         """The working set of ``resident_rows`` slots a layer (0: none), rows held in the ``travel`` dtype."""
         self.resident = self.step_rows = None
         self._planned = None  # (ids, their plan): a step planned before its ``begin_step`` (``plan``)
+        self._plans: Optional[queue.Queue] = None  # the prefetch thread's plans, in step order (``plan_ahead``)
         if resident_rows:
             host = HostRows(self.master, self.exp_avg, self.exp_avg_sq, self.weight, self.own.local,
                             self.own.position)
-            alone = dist.get_world_size(self.dp_group) == 1  # ahead: which rows enter is known only with the plan
             self.resident = WorkingSet(self.layers, resident_rows, self.vocab_size, self.cols, self.device, travel,
-                                       host, self.adam, ahead=optimizer == "lazy" and alone)
-            if not alone:
+                                       host, self.adam, ahead=optimizer == "lazy")
+            if dist.get_world_size(self.dp_group) > 1:
                 self.step_rows = StepRows(self.layers, self.exchange, self.resident)
             mine = self.own.my_rows()  # the rows this rank updates: a mask over ids, and their count
             self.mine = torch.zeros(self.vocab_size, dtype=torch.bool)
@@ -57,10 +60,47 @@ class ResidentRows:
         return (self.step_rows or self.resident).read(layer, slots)
 
     def plan(self, ids: torch.Tensor) -> tuple[list, torch.Tensor]:
-        """The routes of a step reading the sorted ``ids`` to the rows' owners and the ids this rank updates in it
-        (``RowExchange.plan``, a collective over the exchange groups' gloo twins), kept for its ``begin_step``."""
-        self._planned = (ids, self.exchange.plan(ids))
-        return self._planned[1]
+        """The routes of a step reading the sorted ``ids`` to the rows' owners and the ids this rank updates in it,
+        kept for its ``begin_step``: the prefetch thread's plan of it (``plan_ahead``), else ``RowExchange.plan``
+        here, a collective over the exchange groups' gloo twins."""
+        if self._plans is not None and ids.numel():  # announced: the prefetch thread planned it first
+            try:
+                planned, routes = self._plans.get_nowait()
+            except queue.Empty:
+                planned = None
+            if planned is None or not torch.equal(planned, ids):
+                raise RuntimeError("the prefetch thread planned another step than the one the training thread "
+                                   "admits: store.admit and store.step take the ids RowPrefetcher announced, in order")
+            routes = ([route.on(self.device) for route in routes[0]], routes[1])
+        else:
+            routes = self.exchange.plan(ids)
+        self._planned = (ids, routes)
+        return routes
+
+    def begin_planning_ahead(self) -> bool:
+        """(training thread, every rank of the DP group alike) From now on each training step is planned by the
+        prefetch thread as it announces it (``plan_ahead``), so that the rows this rank owns of it can load during
+        the step before. Only with a working set, lazy Adam (a row not resident is final) and DP > 1 (at DP = 1
+        every id is the rank's own: nothing to plan). Returns whether it does."""
+        if self.step_rows is None or not self.resident.ahead:  # (then the store made the planning groups)
+            return False
+        self._plans = queue.Queue()
+        return True
+
+    def end_planning_ahead(self) -> None:
+        """(training thread) Steps are planned by the training thread again; plans not taken are dropped."""
+        self._plans = None
+
+    def plan_ahead(self, ids: torch.Tensor) -> torch.Tensor:
+        """(prefetch thread, announcing a training step of the sorted ``ids``, after ``begin_planning_ahead``) The
+        step's plan (``RowExchange.plan`` over the planning groups: only this thread issues on them, one step after
+        the other on every rank), kept for the training thread's ``plan``. Returns the ids this rank updates in it,
+        which ``preload`` loads; without planning ahead, ``ids``."""
+        if self._plans is None or not ids.numel():
+            return ids
+        planned = self.exchange.plan(ids, ahead=True)  # (routes, the ids this rank updates)
+        self._plans.put((ids, planned))
+        return planned[1]
 
     def admit(self, ids: torch.Tensor) -> None:
         """Before a training step's first fetch: with a working set, the step's ``ids`` (sorted) resident, at DP > 1
@@ -80,10 +120,11 @@ class ResidentRows:
         return land
 
     def preload(self, ids: torch.Tensor) -> None:
-        """(prefetch thread) A training step's ids were announced: with a working set and lazy Adam, their rows
-        that are not resident load while the step before runs (``WorkingSet.preload``)."""
+        """(prefetch thread) A training step reads the sorted ``ids`` (at DP > 1: ``plan_ahead``'s, those this rank
+        updates): with a working set and lazy Adam, their rows that are not resident load while the step before runs
+        (``WorkingSet.preload``). At DP > 1 only rows this rank owns load here (their host state is its own)."""
         if self.resident is not None:
-            self.resident.preload(ids)
+            self.resident.preload(ids if self.step_rows is None else ids[self.mine[ids]])
 
     def _step_resident(self, step: int, lr: float, next_ids: torch.Tensor) -> None:
         """``step`` with a working set: step ``step``; ``next_ids``: the next step's ids."""

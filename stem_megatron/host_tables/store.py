@@ -90,7 +90,8 @@ class HostTableStore(WholeTables, ResidentRows):
         self.cols = d_ff // self.tp
         self.device = device or torch.device("cpu")
         self.dp_group = parallel_state.get_data_parallel_group()
-        self.node = node_layout(dist.get_process_group_ranks(self.dp_group))
+        self.node = node_layout(dist.get_process_group_ranks(self.dp_group),
+                                planning=bool(resident_rows) and optimizer == "lazy")  # (``plan_ahead``)
         n = self.node
         self.own = RowOwnership(vocab_size, n.dp_nodes, n.dp_node, len(n.local_dp_peers), n.peer_index)
         self.exchange = RowExchange(self.own, n, self.device, wire_dtype)

@@ -49,6 +49,7 @@ def with_rows(batches: Iterator[dict], store, num_micro_batches: int, depth: int
         yield batches
         return
     prefetcher = RowPrefetcher(batches, store, num_micro_batches, depth, training)
+    ended = False
     try:
         ids = prefetcher.next_ids()
         store.refresh(ids)
@@ -56,8 +57,9 @@ def with_rows(batches: Iterator[dict], store, num_micro_batches: int, depth: int
             store.admit(ids)
         prefetcher.release()
         yield prefetcher
+        ended = True
     finally:
-        prefetcher.close()
+        prefetcher.close(wait=ended)  # after an error a peer may never meet this rank's prefetch thread
         store.updates.settle()  # this rank's: no collective on the way out of an error
 
 

@@ -87,7 +87,7 @@ def train_step(trainer, data_iterator, num_micro_batches, micro_batch_size, seq_
     model.zero_grad_buffer()
     optimizer.zero_grad()
     if trainer.store is not None:
-        trainer.store.begin_step(num_micro_batches, data_iterator.announced)
+        trainer.store.begin_step(num_micro_batches, data_iterator.begin())
     loss = forward_backward(model, data_iterator, num_micro_batches, micro_batch_size, seq_length, vocab_size)
     lr = optimizer.param_groups[0]["lr"]
     norms = {}
