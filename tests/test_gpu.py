@@ -119,6 +119,46 @@ print("landed")
     assert proc.returncode == 0 and "landed" in proc.stdout, proc.stdout + proc.stderr
 
 
+WORKING_SET_PINNING = """
+import os, sys, torch
+from torch.distributed.elastic.utils.distributed import get_free_port
+os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(get_free_port()))
+from stem_megatron import parallel
+from stem_megatron.host_tables import pinned
+from stem_megatron.host_tables.store import HostTableStore
+from benchmarks.row_sync import backward_one_step
+parallel.initialize(1, 1, 0)
+V, TOKENS = 4096, 256  # ~250 distinct ids a step from 4,096: most of a step's rows are new to a set of 384
+store = HostTableStore([1, 2], V, 64, init_std=0.02, seed=0, device=torch.device(sys.argv[1]), resident_rows=384,
+                       micro_batch_tokens=TOKENS, micro_batches=1, compute_dtype=torch.bfloat16)
+pins = []  # pinned allocations from here on: each one a cudaHostAlloc in the middle of a step
+allocate = pinned.CudaCopies.pinned
+pinned.CudaCopies.pinned = staticmethod(lambda nbytes: pins.append(nbytes) or allocate(nbytes))
+draw = lambda step: torch.randint(0, V, (1, TOKENS), generator=torch.Generator().manual_seed(step))
+store.admit(torch.unique(draw(1)))
+moved = {"stem_rows_entered": 0, "stem_rows_entered_ahead": 0, "stem_rows_left": 0}
+for step in range(1, 9):
+    backward_one_step(store, draw(step))
+    store.step(1e-3, torch.unique(draw(step + 1)))
+    store.preload(torch.unique(draw(step + 2)))  # as the prefetch thread announces the step after
+    stats = store.take_stats()
+    for key in moved:
+        moved[key] += stats[key]
+store.settle()
+assert not pins, f"pinned memory allocated after the store was built: {pins}"
+assert all(moved.values()), moved
+print("no pinning", moved)
+"""
+
+
+def test_a_working_set_pins_no_memory_after_the_store_is_built(gpu_env):
+    """A working set on the GPU whose rows enter (at the step's end and ahead) and leave every step: its pinned
+    staging and landing buffers are reserved when the store is built (``pinned.working_set_bytes``, the memory
+    plan's figure), so no step allocates pinned memory, which would synchronise the device."""
+    proc = _run(["-c", WORKING_SET_PINNING, "cuda"], gpu_env(), timeout=600)
+    assert proc.returncode == 0 and "no pinning" in proc.stdout, proc.stdout + proc.stderr
+
+
 def test_an_audited_host_table_step_with_validation_beside_it(gpu_env, tmp_path):
     """The demo model with host tables on one GPU, validation after every step (its prefetcher fetches while
     training's does), step 3 audited: the run learns, validates every step, and writes both audits, the sync

@@ -9,7 +9,9 @@ exactly the files ``node.shared_tensors`` creates. Per rank: the process (python
 op, gloo, datasets; measured), the row gradients CPU Adam reads, and on GPU the pinned memory the store reserves
 before step 1 (``host_tables/pinned.py``, the same functions): the staging slots fetched rows pass through (two
 fetches' rows, in bf16, and their indices) and one landing buffer per layer for the row gradients the rank updates,
-both at the ids' bound. The dense model has no host copy.
+both at the ids' bound; with a working set (``stem.resident_rows``) no gradient lands, and its entering and leaving
+rows' staging and landing are reserved instead (``working_set_bytes``, at the set's size or the ids' bound). The
+dense model has no host copy.
 
 Device, per GPU (per rank on CPU, where it is host memory too): dense parameters (bf16 on GPU, fp32 on CPU),
 their fp32 gradient buffer (``grad_reduce_in_fp32``), megatron's Adam state (fp32 main parameters on GPU and 2
@@ -33,7 +35,8 @@ from stem_megatron.config import ConfigError, RunConfig, validate_layout
 from stem_megatron.flops.arch import FlopsError
 from stem_megatron.flops.variants import FFN_MATMULS
 from stem_megatron.host_tables.ownership import RowOwnership
-from stem_megatron.host_tables.pinned import STAGING_SLOTS, cache_staging_bytes, landing_rows, staging_bytes
+from stem_megatron.host_tables.pinned import (STAGING_SLOTS, cache_staging_bytes, landing_rows, staging_bytes,
+                                              working_set_bytes)
 from stem_megatron.layer_plan import planned_layers
 
 FP32, GIB = 4, 2**30
@@ -282,8 +285,13 @@ def plan(cfg: RunConfig, layout: Layout, distinct_ids: Optional[int] = None) -> 
                 slot = max(staging_bytes(layers, min(V, tokens), cols, itemsize, tokens),
                            cache_staging_bytes(min(s.cache_rows, V), cols, itemsize))
                 step_ids = dp * min(V, micro * tokens)
-                landing = sum(landing_rows(RowOwnership(V, dp_nodes, dp_node, peers, peer), step_ids)
-                              for peer in range(peers)) * layout.tp * layers * row
+                bounds = [landing_rows(RowOwnership(V, dp_nodes, dp_node, peers, peer), step_ids)
+                          for peer in range(peers)]
+                if s.resident_rows:  # gradients stay on the device; the working set's rows move through its own
+                    moving = [working_set_bytes(layers, min(s.resident_rows, n), cols, tokens) for n in bounds]
+                    landing = sum(STAGING_SLOTS * staged + kept for staged, kept in moving) * layout.tp
+                else:
+                    landing = sum(bounds) * layout.tp * layers * row
                 ranks["pinned_rows"] += count * STAGING_SLOTS * slot + landing
             ranks["device_parts"] += count * stages[stage]["device_total"] * (not gpu)
         ranks["process"] += LIBRARY_BYTES

@@ -1,10 +1,11 @@
 """Pinned host memory for STEM rows crossing to and from the GPU, sized before the first step.
 
 Fetched rows are gathered into pinned staging (``StagingPool``) and copied to the device on a side stream; a
-step's row gradients land in pinned buffers (``DeviceToHost``) on another side stream. Both are allocated when
-the store is built, at the sizes the memory plan counts (``staging_bytes``, ``landing_rows``; ``flops/memory.py``
-uses the same functions), because pinning memory (``cudaHostAlloc``) is slow and synchronises the device: done in
-the middle of a step it would stall it. A request larger than planned (inference's batches, a store built without
+step's row gradients land in pinned buffers (``DeviceToHost``) on another side stream; a working set's entering and
+leaving rows pass through its own of both. All are allocated when the store is built, at the sizes the memory plan
+counts (``staging_bytes``, ``landing_rows``, ``working_set_bytes``; ``flops/memory.py`` uses the same functions),
+because pinning memory (``cudaHostAlloc``) is slow and synchronises the device: done in the middle of a step it
+would stall it. A request larger than planned (inference's batches, a store built without
 its batch sizes) grows its buffer once.
 
 ``CudaCopies`` is torch's side of it: a side stream, pinned allocations, events. Tests on a machine without a GPU
@@ -143,6 +144,14 @@ def staging_bytes(layers: int, rows: int, cols: int, itemsize: int, tokens: int)
 def cache_staging_bytes(rows: int, cols: int, itemsize: int) -> int:
     """The pinned bytes a hot-row cache reload stages at once: one layer's ``rows`` (``HotRowCache.reload``)."""
     return staging_bytes(1, rows, cols, itemsize, 0) if rows else 0
+
+
+def working_set_bytes(layers: int, rows: int, cols: int, tokens: int) -> tuple[int, int]:
+    """The pinned bytes a working set reserves for ``rows`` rows entering or leaving at once (``WorkingSet``): a
+    staging slot for one layer's entering rows (fp32 master and both moments) or a training fetch's indices
+    (``tokens`` a micro-batch), and the leaving rows' landing buffers (the same three, every layer)."""
+    slot = max(staging_bytes(3, rows, cols, 4, 0), staging_bytes(0, min(rows, tokens), cols, 0, tokens))
+    return slot, layers * 3 * rows * cols * 4
 
 
 def landing_rows(ownership: RowOwnership, step_ids: int) -> int:

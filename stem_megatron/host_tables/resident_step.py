@@ -31,8 +31,10 @@ from stem_megatron.host_tables.working_set import HostRows, WorkingSet
 class ResidentRows:
     """The working-set side of ``store.HostTableStore`` (its base class)."""
 
-    def _init_resident(self, resident_rows: int, optimizer: str, travel: torch.dtype) -> None:
-        """The working set of ``resident_rows`` slots a layer (0: none), rows held in the ``travel`` dtype."""
+    def _init_resident(self, resident_rows: int, optimizer: str, travel: torch.dtype, moving_rows: int,
+                       tokens: int) -> None:
+        """The working set of ``resident_rows`` slots a layer (0: none), rows held in the ``travel`` dtype; pinned
+        memory reserved for ``moving_rows`` rows entering or leaving at once and fetches of ``tokens``."""
         self.resident = self.step_rows = None
         self._planned = None  # (ids, their plan): a step planned before its ``begin_step`` (``plan``)
         self._plans: Optional[queue.Queue] = None  # the prefetch thread's plans, in step order (``plan_ahead``)
@@ -40,7 +42,8 @@ class ResidentRows:
             host = HostRows(self.master, self.exp_avg, self.exp_avg_sq, self.weight, self.own.local,
                             self.own.position)
             self.resident = WorkingSet(self.layers, resident_rows, self.vocab_size, self.cols, self.device, travel,
-                                       host, self.adam, ahead=optimizer == "lazy")
+                                       host, self.adam, ahead=optimizer == "lazy", moving_rows=moving_rows,
+                                       tokens=tokens)
             if dist.get_world_size(self.dp_group) > 1:
                 self.step_rows = StepRows(self.layers, self.exchange, self.resident)
             mine = self.own.my_rows()  # the rows this rank updates: a mask over ids, and their count

@@ -125,10 +125,11 @@ class HostTableStore(WholeTables, ResidentRows):
         self.adam = RowAdam(betas, eps, weight_decay)
         self.cache = HotRowCache(cache_rows, vocab_size, self.device)
         travel = travel_dtype(self.read_dtype, compute_dtype)
-        self._init_resident(resident_rows, optimizer, travel)
+        step_ids = dist.get_world_size(self.dp_group) * min(vocab_size, micro_batches * micro_batch_tokens)
+        moving = min(resident_rows, landing_rows(self.own, step_ids))  # rows entering the working set at once
+        self._init_resident(resident_rows, optimizer, travel, moving, micro_batch_tokens)
         travel = travel.itemsize
         rows = min(vocab_size, micro_batch_tokens)  # distinct ids of a micro-batch, at most
-        step_ids = dist.get_world_size(self.dp_group) * min(vocab_size, micro_batches * micro_batch_tokens)
         slot_bytes = max(staging_bytes(len(self.layers), rows, self.cols, travel, micro_batch_tokens) if rows else 0,
                          cache_staging_bytes(self.cache.capacity, self.cols, travel))
         self.h2d = HostToDevice(self.device, dtype=compute_dtype, slot_bytes=slot_bytes)

@@ -35,7 +35,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from stem_megatron.host_tables.pinned import DeviceToHost, landed
+from stem_megatron.host_tables.pinned import DeviceToHost, landed, working_set_bytes
 from stem_megatron.host_tables.row_adam import RowAdam
 from stem_megatron.host_tables.transfer import Fetched, HostToDevice, PrefetchedRows, positions_in_step
 from stem_megatron.model.stem_rows import RowOrder
@@ -66,10 +66,12 @@ class WorkingSet:
 
     def __init__(self, layers: list[int], capacity: int, vocab_size: int, cols: int, device: torch.device,
                  travel: torch.dtype, host: HostRows, adam: RowAdam, kernel: Optional[str] = None,
-                 ahead: bool = False):
+                 ahead: bool = False, moving_rows: int = 0, tokens: int = 0):
         """``travel``: the dtype the forward reads rows in (``transfer.travel_dtype``); ``kernel``: ``rows``
         (DeepSpeed's, on CPU) or ``fused`` (torch's fused AdamW, on GPU); default by device. ``ahead``: entering
-        rows load during the step before theirs (``preload``; lazy Adam only, where a row not resident is final)."""
+        rows load during the step before theirs (``preload``; lazy Adam only, where a row not resident is final).
+        ``moving_rows``: the most rows that enter or leave at once (at most a step's, or the capacity), whose pinned
+        staging and landing are reserved here (GPU; ``tokens``: a micro-batch's, whose indices a fetch stages)."""
         self.layers, self.cols, self.device, self.travel = layers, cols, device, travel
         self.host, self.adam = host, adam
         self.kernel = kernel or ("fused" if device.type == "cuda" else "rows")
@@ -80,8 +82,12 @@ class WorkingSet:
         self.ids = torch.empty(0, dtype=torch.int64)  # the id in each slot (-1: free)
         self.state: dict[int, dict[str, torch.Tensor]] = {layer: {} for layer in layers}
         self.rows: dict[int, torch.Tensor] = {}
-        self.h2d = HostToDevice(device)  # entering state, fp32 as it is on the host
+        slot, _ = working_set_bytes(len(layers), moving_rows, cols, tokens)
+        self.h2d = HostToDevice(device, slot_bytes=slot if moving_rows else 0)  # entering state, fp32 as on the host
         self.d2h = DeviceToHost(device)  # leaving state
+        for layer in layers:
+            for kind in KINDS:
+                self.d2h.reserve((layer, kind), moving_rows * cols * 4)
         self.ahead = ahead
         self.running = torch.empty(0, dtype=torch.int64)  # the ids of the step now running (the last admitted)
         self._lock = threading.Lock()  # the slot map: ``admit`` (training thread) and ``preload`` (prefetch thread)
