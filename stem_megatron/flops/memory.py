@@ -288,8 +288,9 @@ def plan(cfg: RunConfig, layout: Layout, distinct_ids: Optional[int] = None) -> 
                 bounds = [landing_rows(RowOwnership(V, dp_nodes, dp_node, peers, peer), step_ids)
                           for peer in range(peers)]
                 if s.resident_rows:  # gradients stay on the device; the working set's rows move through its own
-                    moving = [working_set_bytes(layers, min(s.resident_rows, n), cols, tokens) for n in bounds]
-                    landing = sum(STAGING_SLOTS * staged + kept for staged, kept in moving) * layout.tp
+                    moving = [working_set_bytes(min(s.resident_rows, n), cols, tokens) for n in bounds]
+                    # its staging slots, and a landing buffer a layer for the master and each moment
+                    landing = sum(STAGING_SLOTS * staged + layers * 3 * kept for staged, kept in moving) * layout.tp
                 else:
                     landing = sum(bounds) * layout.tp * layers * row
                 ranks["pinned_rows"] += count * STAGING_SLOTS * slot + landing

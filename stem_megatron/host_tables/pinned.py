@@ -146,12 +146,12 @@ def cache_staging_bytes(rows: int, cols: int, itemsize: int) -> int:
     return staging_bytes(1, rows, cols, itemsize, 0) if rows else 0
 
 
-def working_set_bytes(layers: int, rows: int, cols: int, tokens: int) -> tuple[int, int]:
-    """The pinned bytes a working set reserves for ``rows`` rows entering or leaving at once (``WorkingSet``): a
-    staging slot for one layer's entering rows (fp32 master and both moments) or a training fetch's indices
-    (``tokens`` a micro-batch), and the leaving rows' landing buffers (the same three, every layer)."""
+def working_set_bytes(rows: int, cols: int, tokens: int) -> tuple[int, int]:
+    """The pinned bytes a working set reserves for ``rows`` rows entering or leaving at once (``WorkingSet``): each
+    of its staging slots, for one layer's entering rows (fp32 master and both moments) or a training fetch's indices
+    (``tokens`` a micro-batch), and each of its leaving rows' landing buffers (one a layer and kind of state)."""
     slot = max(staging_bytes(3, rows, cols, 4, 0), staging_bytes(0, min(rows, tokens), cols, 0, tokens))
-    return slot, layers * 3 * rows * cols * 4
+    return slot, rows * cols * 4
 
 
 def landing_rows(ownership: RowOwnership, step_ids: int) -> int:

@@ -68,17 +68,17 @@ class ResidentRows:
         here, a collective over the exchange groups' gloo twins."""
         if self._plans is not None and ids.numel():  # announced: the prefetch thread planned it first
             try:
-                planned, routes = self._plans.get_nowait()
+                planned_ids, (routes, owned) = self._plans.get_nowait()
             except queue.Empty:
-                planned = None
-            if planned is None or not torch.equal(planned, ids):
+                planned_ids = None
+            if planned_ids is None or not torch.equal(planned_ids, ids):
                 raise RuntimeError("the prefetch thread planned another step than the one the training thread "
                                    "admits: store.admit and store.step take the ids RowPrefetcher announced, in order")
-            routes = ([route.on(self.device) for route in routes[0]], routes[1])
+            plan = ([route.on(self.device) for route in routes], owned)
         else:
-            routes = self.exchange.plan(ids)
-        self._planned = (ids, routes)
-        return routes
+            plan = self.exchange.plan(ids)
+        self._planned = (ids, plan)
+        return plan
 
     def begin_planning_ahead(self) -> bool:
         """(training thread, every rank of the DP group alike) From now on each training step is planned by the

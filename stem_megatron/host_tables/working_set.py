@@ -82,12 +82,12 @@ class WorkingSet:
         self.ids = torch.empty(0, dtype=torch.int64)  # the id in each slot (-1: free)
         self.state: dict[int, dict[str, torch.Tensor]] = {layer: {} for layer in layers}
         self.rows: dict[int, torch.Tensor] = {}
-        slot, _ = working_set_bytes(len(layers), moving_rows, cols, tokens)
-        self.h2d = HostToDevice(device, slot_bytes=slot if moving_rows else 0)  # entering state, fp32 as on the host
+        slot, landing = working_set_bytes(moving_rows, cols, tokens) if moving_rows else (0, 0)
+        self.h2d = HostToDevice(device, slot_bytes=slot)  # entering state, fp32 as it is on the host
         self.d2h = DeviceToHost(device)  # leaving state
         for layer in layers:
             for kind in KINDS:
-                self.d2h.reserve((layer, kind), moving_rows * cols * 4)
+                self.d2h.reserve((layer, kind), landing)
         self.ahead = ahead
         self.running = torch.empty(0, dtype=torch.int64)  # the ids of the step now running (the last admitted)
         self._lock = threading.Lock()  # the slot map: ``admit`` (training thread) and ``preload`` (prefetch thread)
