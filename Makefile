@@ -27,8 +27,10 @@ test: setup
 bench: setup
 	$(VENV)/bin/python benchmarks/ffn_cost.py
 
-# on a GPU machine (set up first, offline with PYTHON=... WHEELHOUSE=DIR: docs/gpu.md): doctor, the gpu tests, the
-# 350M/1B step benchmark with its audits, and the figures against the GPU step's goals, all under OUT
-# (tools/gpu_check.py; BASELINE: an earlier run's gpu_step.json)
+# on a GPU machine (set up first, offline with PYTHON=... WHEELHOUSE=DIR: docs/gpu.md): the gpu tests, the 1B/350M
+# step benchmark with its audits, the layer benchmark and the doctor, most telling first, and the figures against
+# the GPU step's goals, all under OUT (tools/gpu_check.py; UNTIL: a deadline in seconds since the epoch, what does
+# not fit is left; RESUME=1: keep what an earlier command measured; BASELINE: an earlier run's gpu_step.json)
 gpu-check: setup
-	$(VENV)/bin/python tools/gpu_check.py $(if $(OUT),--out "$(OUT)") $(if $(BASELINE),--baseline "$(BASELINE)")
+	$(VENV)/bin/python tools/gpu_check.py $(if $(OUT),--out "$(OUT)") $(if $(UNTIL),--until $(UNTIL)) \
+	  $(if $(RESUME),--resume) $(if $(BASELINE),--baseline "$(BASELINE)")

@@ -13,6 +13,8 @@ so a variant that runs out of memory does not take the others with it):
   stem_1_3_resident_lazy  STEM-1/3, host tables with a working set of 16,384 rows a layer on the device, updated
                         there (stem.resident_rows, lazy Adam; docs/gpu_step_v2.md)
   stem_full_resident_lazy STEM-full, the same
+  stem_1_3_resident_dense STEM-1/3 with that working set and CPU Adam on every row (the recipe's dense Adam: the
+                        rows not resident decayed on the host)
 
 Shapes: `paper` (default with a GPU): +experiment=pretrain_350m and +experiment=pretrain_1b at sequence length
 2048, global batch 16 (32,768 tokens per step), micro-batch 4 (350M) and 2 (1B); `tiny` (default without one):
@@ -46,6 +48,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -65,6 +68,7 @@ from row_sync import DEFAULT_COUNTS, load_counts  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 GIB, MB = 2**30, 1e6
+MIN_RUN_S = 60  # a run given less than this before --until would be stopped before its timed steps
 
 RESIDENT = "stem.resident_rows=16384"  # the working set (docs/gpu_step_v2.md: ~6.5k distinct ids a step at 32,768)
 VARIANTS = {  # name -> (label, overrides)
@@ -79,6 +83,8 @@ VARIANTS = {  # name -> (label, overrides)
                                                                "stem.optimizer=lazy", RESIDENT]),
     "stem_full_resident_lazy": ("STEM-full working set, lazy", ["variant=stem_full", "stem.placement=host",
                                                                  "stem.optimizer=lazy", RESIDENT]),
+    "stem_1_3_resident_dense": ("STEM-1/3 working set, dense", ["variant=stem_1_3", "stem.placement=host",
+                                                                "stem.optimizer=dense", RESIDENT]),
 }
 
 
@@ -112,7 +118,7 @@ class Result:
     model: str
     variant: str
     label: str
-    status: str = "ok"  # ok | out of memory | failed | timed out
+    status: str = "ok"  # ok | out of memory | failed | timed out | not run (no time left before --until)
     note: str = ""
     out_dir: str = ""
     optimizer: Optional[str] = None
@@ -234,7 +240,7 @@ def failure(rc: int, stderr: str) -> tuple[str, str]:
     """(status, note) of a failed run, from stem-train's one-line errors or the last words of its output."""
     lines = ERROR_LINE.findall(stderr)
     if rc == -1:
-        return "timed out", "stopped after --timeout seconds"
+        return "timed out", "stopped at --timeout or --until"
     oom = [line for line in lines if line.startswith("out of ")] or (
         ["torch.OutOfMemoryError"] if "OutOfMemoryError" in stderr or "CUDA out of memory" in stderr else [])
     if oom:
@@ -267,12 +273,16 @@ def run_variant(model: Model, variant: str, args, corpus: Path, vocab: int, gpu:
         result.note = (f"not run: the plan's {result.plan_device_bytes / GIB:.1f} GiB per GPU exceed the GPU's "
                        f"{gpu['total_memory'] / GIB:.1f} GiB (--run-all runs it anyway)")
         return result
+    seconds = args.timeout if args.until is None else min(args.timeout, args.until - time.time())
+    if seconds < MIN_RUN_S:
+        result.status, result.note = "not run", f"{max(seconds, 0):.0f} s left before --until"
+        return result
     shutil.rmtree(out_dir, ignore_errors=True)
     out_dir.mkdir(parents=True)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(args.nproc),
            "-m", "stem_megatron.train", *overrides]
     (out_dir.parent / f"{variant}.cmd").write_text(" ".join(cmd) + "\n")
-    rc, stderr = launch(cmd, out_dir.parent / f"{variant}.log", args.timeout)
+    rc, stderr = launch(cmd, out_dir.parent / f"{variant}.log", seconds)
     if rc != 0:
         result.status, result.note = failure(rc, stderr)
         if result.status == "out of memory" and result.plan_device_bytes:
@@ -378,6 +388,9 @@ def main(argv=None) -> None:
     ap.add_argument("--nproc", type=int, default=1, help="processes (GPUs) per run: torchrun --nproc_per_node")
     ap.add_argument("--top", type=int, default=8, help="ops listed per profile")
     ap.add_argument("--timeout", type=float, default=1800, help="seconds per run before it is stopped")
+    ap.add_argument("--until", type=float, default=None,
+                    help="a deadline (seconds since the epoch): runs stop by then, and none starts with under a "
+                         "minute left (a lease's end)")
     ap.add_argument("--run-all", action="store_true", help="also run variants whose plan exceeds the GPU's memory")
     ap.add_argument("--counts", type=Path, default=DEFAULT_COUNTS, help="per-id token counts (.npy)")
     ap.add_argument("--out", type=Path, default=REPO / "runs" / "bench_gpu_step", help="corpora and runs")
@@ -404,23 +417,24 @@ def main(argv=None) -> None:
         vocab, seq = base.model.vocab_size, base.model.seq_length
         need = int(1.2 * args.steps * args.global_batch * (seq + 1)) + 8192
         corpus = write_corpus(args.out / f"corpus-v{vocab}", counts, vocab, need)
+        extra = {"vocab": vocab, "seq_length": seq, "global_batch": args.global_batch,
+                 "micro_batch": args.micro_batch or model.micro_batch, "nproc": args.nproc}
         results = []
         for variant in variants:
             print(f"  {model.name} {variant} ...", flush=True)
             results.append(run_variant(model, variant, args, corpus, vocab, gpu))
-        dense = next((r for r in results if r.variant == "dense" and r.status == "ok"), None)
-        for r in results:
-            if dense is not None and r.status == "ok":
-                r.ratio_to_dense = r.step_time_s / dense.step_time_s
+            dense = next((r for r in results if r.variant == "dense" and r.status == "ok"), None)
+            for r in results:
+                if dense is not None and r.status == "ok":
+                    r.ratio_to_dense = r.step_time_s / dense.step_time_s
+            if args.json:  # after each run: a benchmark stopped later keeps what it measured
+                args.json.write_text(json.dumps({
+                    "date": str(datetime.date.today()), "machine": machine(gpu), "gpu": gpu, "shapes": shapes_name,
+                    "steps": args.steps, "warmup": args.warmup,
+                    "records": records + [r.__dict__ | extra for r in results]}, indent=2) + "\n")
         print_table(model, results, shapes_name, args, gpu, vocab, seq)
         print_profiles(results, args.top)
-        records += [r.__dict__ | {"vocab": vocab, "seq_length": seq, "global_batch": args.global_batch,
-                                  "micro_batch": args.micro_batch or model.micro_batch, "nproc": args.nproc}
-                    for r in results]
-        if args.json:  # after each model: a run stopped later keeps what it measured
-            args.json.write_text(json.dumps({"date": str(datetime.date.today()), "machine": machine(gpu), "gpu": gpu,
-                                             "shapes": shapes_name, "steps": args.steps, "warmup": args.warmup,
-                                             "records": records}, indent=2) + "\n")
+        records += [r.__dict__ | extra for r in results]
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ The rows are a micro-batch's distinct ids drawn from the 128k-vocabulary profile
 registers, its gradient included). Goal on GPU: ``stem`` <= 0.75x dense (the matmul FLOP ideal is 2/3).
 On CPU (no fused kernels) the figures show the host's arithmetic only; use ``--tokens`` to shorten.
 
-Run: ``.venv/bin/python benchmarks/stem_layer.py [--models 350M,1B] [--tokens N] [--rounds 7] [--json]``.
+Run: ``.venv/bin/python benchmarks/stem_layer.py [--models 350M,1B] [--tokens N] [--rounds 7] [--json [FILE]]``.
 """
 
 from __future__ import annotations  # noqa: I001 - stem_megatron (its warning filters) before megatron
@@ -112,7 +112,8 @@ def main(argv=None) -> None:
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--counts", type=Path, default=DEFAULT_COUNTS)
-    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--json", nargs="?", const="-", default=None, metavar="FILE",
+                    help="the results as JSON, printed (no FILE) or written to FILE")
     args = ap.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     counts = load_counts(args.counts)
@@ -136,9 +137,11 @@ def main(argv=None) -> None:
                             "ms": ms, "over_dense": {k: ms[k] / ms["dense"] for k in ms}})
     finally:
         parallel.destroy()
-    if args.json:
+    if args.json == "-":
         print(json.dumps(results, indent=2))
         return
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
     for r in results:
         d, d_ff = SHAPES[r["model"]][:2]
         print(f"{r['model']} FFN (d {d}, d_ff {d_ff}), {r['tokens']:,} tokens, {r['rows']:,} distinct ids, "
