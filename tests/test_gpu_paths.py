@@ -526,3 +526,16 @@ def test_rows_travel_in_the_compute_precision_and_change_nothing():
         out.backward(grad)
         results.append((out.detach(), source.store.rows.grad))
     assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+
+
+def test_the_cpu_adam_thread_runs_on_the_ranks_device(monkeypatch):
+    """A rank's "stem-adam" thread waits for copies from its GPU (a working set's leaving rows): it sets the
+    rank's device first, or its first CUDA call would open a context on GPU 0, for every rank of the node."""
+    from stem_megatron.host_tables.step_pipeline import RowUpdates
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: calls.append((threading.current_thread().name,
+                                                                               device)))
+    updates = RowUpdates(False, 1, torch.device("cuda", 3))
+    updates.now(lambda: None)
+    assert [(name.split("_")[0], device) for name, device in calls] == [("stem-adam", torch.device("cuda", 3))]

@@ -43,12 +43,17 @@ class Route:
     inverse: torch.Tensor  # [kept; received] rows -> position among ``ids`` (on the device)
     ids: torch.Tensor  # sorted ids this rank holds after the level (host)
     wire: torch.dtype
+    # [kept; received] rows in the order of ``inverse`` (stable), and how many add up at each of ``ids`` (device):
+    # a segmented sum in one order on every run, where an index_add on the GPU adds in the order its atomics land
+    by_id: torch.Tensor
+    adding: torch.Tensor
 
     def on(self, device: torch.device) -> Route:
         """The route with its positions on ``device`` (a plan made on the prefetch thread keeps them on the host
         until the training thread takes it: its copies then go where today's do, on that thread's stream)."""
-        keep, send, inverse = (t.to(device, non_blocking=True) for t in (self.keep, self.send, self.inverse))
-        return replace(self, keep=keep, send=send, inverse=inverse)
+        keep, send, inverse, by_id, adding = (t.to(device, non_blocking=True) for t in (
+            self.keep, self.send, self.inverse, self.by_id, self.adding))
+        return replace(self, keep=keep, send=send, inverse=inverse, by_id=by_id, adding=adding)
 
 
 class RowExchange:
@@ -94,7 +99,8 @@ class RowExchange:
             counts = torch.bincount(dest[send], minlength=dist.get_world_size(host))
             received, (got,) = self._all_to_all(host, counts, ids[send], device=torch.device("cpu"))
             merged, inverse = torch.unique(torch.cat([ids[keep], got]), return_inverse=True)
-            route = Route(group, keep, send, counts.tolist(), received.tolist(), inverse, merged, wire)
+            route = Route(group, keep, send, counts.tolist(), received.tolist(), inverse, merged, wire,
+                          torch.argsort(inverse, stable=True), torch.bincount(inverse, minlength=merged.numel()))
             routes.append(route if ahead else route.on(self.device))
             ids = merged
         if not ahead:
@@ -111,8 +117,8 @@ class RowExchange:
             dist.all_to_all_single(got, out, route.recv_counts, route.send_counts, group=route.group)
             row = grads.shape[1] * out.element_size()
             self._count(route.group, sum(route.send_counts) * row, sum(route.recv_counts) * row)
-            summed = torch.zeros(route.ids.numel(), grads.shape[1], dtype=torch.float32, device=grads.device)
-            grads = summed.index_add_(0, route.inverse, torch.cat([grads.index_select(0, route.keep), got.float()]))
+            rows = torch.cat([grads.index_select(0, route.keep), got.float()]).index_select(0, route.by_id)
+            grads = torch.segment_reduce(rows, "sum", lengths=route.adding, unsafe=True)  # one order on every run
         self.stats["exchange_s"] += time.perf_counter() - start
         return grads
 

@@ -69,6 +69,15 @@ def host_threads(device: torch.device) -> int:
     return max(1, len(os.sched_getaffinity(0)) // int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
 
 
+def enter_host_thread(threads: int, device: torch.device) -> None:
+    """First call of a rank's host thread (prefetch, CPU Adam): its own OpenMP team (``host_threads``), and on GPU
+    the rank's device, since a new thread starts on GPU 0 and its first CUDA call (an event's wait) would open a
+    context there, on every rank of the node."""
+    torch.set_num_threads(threads)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+
+
 def node_layout(dp_ranks: Sequence[int], planning: bool = False) -> NodeLayout:
     """Collective over the world: every rank passes the global ranks of its DP group (and the same ``planning``).
 

@@ -24,7 +24,7 @@ from typing import Iterator
 import torch
 
 from stem_megatron.data.integrity import check_token_ids
-from stem_megatron.host_tables.node import host_threads
+from stem_megatron.host_tables.node import enter_host_thread, host_threads
 from stem_megatron.host_tables.store import HostTableStore
 
 
@@ -57,9 +57,7 @@ class RowPrefetcher:
 
     def _work(self, data, num_micro_batches, threads: int) -> None:
         try:
-            torch.set_num_threads(threads)  # gathers and unique run on this thread's own OpenMP team
-            if self.store.device.type == "cuda":  # a new thread starts on GPU 0: use this rank's device
-                torch.cuda.set_device(self.store.device)
+            enter_host_thread(threads, self.store.device)  # gathers and unique on an OpenMP team of its own
             step: list[dict] = []
             for batch in data:
                 check_token_ids(batch["tokens"], self.store.vocab_size)  # before any id reaches the tables

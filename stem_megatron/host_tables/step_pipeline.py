@@ -36,6 +36,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from stem_megatron.host_tables.exchange import Route, RowExchange
+from stem_megatron.host_tables.node import enter_host_thread
 from stem_megatron.host_tables.pinned import DeviceToHost
 
 Landed = tuple[torch.Tensor, torch.Tensor, Optional[torch.cuda.Event]]  # (ids, gradients, their copy's end)
@@ -142,11 +143,12 @@ class RowGradients:
 class RowUpdates:
     """Runs a step's CPU Adam in two parts on one "stem-adam" thread: ``now`` waits for its part, ``later``
     (with ``overlapped``; else it waits too) returns at once and ``settle`` waits for it. The thread runs
-    the kernel with ``threads`` OpenMP threads of its own, whatever the training thread's count."""
+    the kernel with ``threads`` OpenMP threads of its own, whatever the training thread's count, on ``device``
+    (it waits for copies from it)."""
 
-    def __init__(self, overlap: bool, threads: int):
+    def __init__(self, overlap: bool, threads: int, device: torch.device):
         self.overlapped = overlap
-        self._thread = ThreadPoolExecutor(1, "stem-adam", torch.set_num_threads, (threads,))
+        self._thread = ThreadPoolExecutor(1, "stem-adam", enter_host_thread, (threads, device))
         self._pending: Optional[Future] = None
         self.stats = self.new_stats()
 

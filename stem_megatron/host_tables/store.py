@@ -137,7 +137,7 @@ class HostTableStore(WholeTables, ResidentRows):
         self.steps_done = 0
         self.grads = RowGradients(self.layers, self.cols, self.exchange, self.dp_group, self.device, overlap,
                                   landing_rows=landing_rows(self.own, step_ids), to_host=self.resident is None)
-        self.updates = RowUpdates(overlap_update, host_threads(self.device))
+        self.updates = RowUpdates(overlap_update, host_threads(self.device), self.device)
         self._grads: dict = {}  # layer -> (ids, gradients, copy event) of the step, on the host
         self._aside: dict = {}  # layer -> the later part's gradients, out of the landing buffer (``_set_aside``)
         self._stats = self._new_stats()

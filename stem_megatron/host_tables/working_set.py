@@ -93,7 +93,7 @@ class WorkingSet:
         self._lock = threading.Lock()  # the slot map: ``admit`` (training thread) and ``preload`` (prefetch thread)
         self._landed = threading.Event()  # the rows that left at the last ``admit`` are on the host again
         self._landed.set()
-        self._updated = None  # (GPU) event: the compute stream's last update of the slots, before ``admit``
+        self._updated = None  # (GPU) event: the compute stream at the last ``admit``'s end (the slots' updates)
         self._loaded = None  # (GPU) event: the side stream's ``preload`` work
         self.stats = self.new_stats()
         self._grow(min(capacity, vocab_size))
@@ -191,11 +191,9 @@ class WorkingSet:
         order of fewest steps that read them, then id: the same rows on every run. Rows ``preload`` brought
         ahead are resident already; the compute stream waits for them here."""
         with self._lock:
-            if self.device.type == "cuda":
-                self._updated = torch.cuda.current_stream().record_event()  # after this step's updates
-                if self._loaded is not None:
-                    torch.cuda.current_stream().wait_event(self._loaded)
-                    self._loaded = None
+            if self.device.type == "cuda" and self._loaded is not None:
+                torch.cuda.current_stream().wait_event(self._loaded)
+                self._loaded = None
             self.counts[ids] += 1
             entering = self.outside(ids)
             free = (self.ids < 0).nonzero().squeeze(1)
@@ -211,6 +209,8 @@ class WorkingSet:
                 free = (self.ids < 0).nonzero().squeeze(1)
             self._load(entering, free[:entering.numel()])
             self.running = ids
+            if self.device.type == "cuda":  # after this step's updates and the set as admit left it (grown, loaded)
+                self._updated = torch.cuda.current_stream().record_event()
             return land
 
     def preload(self, ids: torch.Tensor) -> None:
@@ -252,7 +252,8 @@ class WorkingSet:
         return torch.sort(spare[torch.topk(key, n, largest=False).indices]).values
 
     def _side(self, copies) -> contextlib.AbstractContextManager:
-        """Work issued inside runs on ``copies``' side stream, after the slots' last update (GPU; nothing on CPU)."""
+        """Work issued inside runs on ``copies``' side stream, after the last ``admit`` (the slots' last update,
+        and the set's tensors as it left them); GPU only, nothing on CPU. A tensor it uses is made there too."""
         if copies is None:
             return contextlib.nullcontext()
         if self._updated is not None:
@@ -265,12 +266,12 @@ class WorkingSet:
         if not ids.numel():
             return
         local = self.host.local(ids)
-        at = slots.to(self.device, non_blocking=True)
+        at = None if ahead else slots.to(self.device, non_blocking=True)
         for layer in self.layers:
-            with self.h2d.transfer() as send:
+            with self._side(self.h2d.copies) if ahead else contextlib.nullcontext(), self.h2d.transfer() as send:
                 rows = {kind: send.gather(self.host.kind(kind)[layer], local) for kind in KINDS}
-                if ahead:  # put in place on the side stream too; the compute stream reads none of these slots yet
-                    self._put(layer, at, rows)
+                if ahead:  # put in place on the side stream too, the slots' places copied there; the compute
+                    self._put(layer, send.copy(slots), rows)  # stream reads none of these slots yet
             if ahead:
                 self._loaded = send.ready
                 continue
@@ -293,8 +294,8 @@ class WorkingSet:
         """Free ``slots`` (sorted); their state goes to the host on the side stream (``ahead``: gathered there too,
         after the slots' last update). Returns its landing, which the caller runs; until it has, ``preload`` waits."""
         ids = self.ids[slots]
-        at = slots.to(self.device, non_blocking=True)
         with self._side(self.d2h.copies) if ahead else contextlib.nullcontext():
+            at = slots.to(self.device, non_blocking=True)
             copies = {(layer, kind): self.d2h.copy(self.state[layer][kind].index_select(0, at), (layer, kind))
                       for layer in self.layers for kind in KINDS}
         self.slot_of[ids] = -1
