@@ -12,8 +12,8 @@ so a variant that runs out of memory does not take the others with it):
   stem_full_host        STEM-full, tables in host memory, the recipe's CPU Adam
   stem_1_3_resident_lazy  STEM-1/3, host tables with a working set of 16,384 rows a layer on the device, updated
                         there (stem.resident_rows, lazy Adam; docs/gpu_step_v2.md)
-  stem_full_resident_lazy STEM-full, the same with 10,240 rows a layer (two steps' rows, ~9.2k, and room: at
-                        16,384 its 1B plan is 83 GiB, over an H100's 79)
+  stem_full_resident_lazy STEM-full, the same with 12,288 rows a layer (two steps' rows, ~9.2k, and room: at
+                        16,384 its 1B plan is 79.4 GiB, over an H100's 79; 73.8 GiB at 12,288)
   stem_1_3_resident_dense STEM-1/3 with that working set and CPU Adam on every row (the recipe's dense Adam: the
                         rows not resident decayed on the host)
 
@@ -72,7 +72,7 @@ GIB, MB = 2**30, 1e6
 MIN_RUN_S = 60  # a run given less than this before --until would be stopped before its timed steps
 
 RESIDENT = "stem.resident_rows=16384"  # the working set (docs/gpu_step_v2.md: ~6.5k distinct ids a step at 32,768)
-RESIDENT_FULL = "stem.resident_rows=10240"  # every layer a STEM layer: a smaller set, so that 1B fits an H100
+RESIDENT_FULL = "stem.resident_rows=12288"  # every layer a STEM layer: a smaller set, so that 1B fits an H100
 VARIANTS = {  # name -> (label, overrides)
     "dense": ("dense", ["variant=dense"]),
     "stem_1_3_device": ("STEM-1/3 device tables", ["variant=stem_1_3", "stem.placement=device", "stem.clip=global"]),

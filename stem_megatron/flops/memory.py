@@ -253,9 +253,9 @@ def plan(cfg: RunConfig, layout: Layout, distinct_ids: Optional[int] = None) -> 
             "gradients": params * FP32,
             "optimizer": int(state * sharded),
             "hot_row_cache": layers * min(s.cache_rows, V) * travel_row,
-            # fp32 master, exp_avg, exp_avg_sq a slot, and the forward's copy where rows travel narrower; at DP > 1
-            # the step's rows received from their owners (step_rows.StepRows)
-            "working_set": layers * min(s.resident_rows, V) * (3 * row + (travel_row if travel_row < row else 0))
+            # fp32 master, exp_avg, exp_avg_sq a slot; at DP > 1 the step's rows received from their owners
+            # (step_rows.StepRows)
+            "working_set": layers * min(s.resident_rows, V) * 3 * row
             + layers * step_uniq * travel_row * (dp > 1 and s.resident_rows > 0),
             # the step's merged row gradients (one buffer a layer over its distinct ids), the fp32 rows of the
             # micro-batches in flight and queued by the prefetcher, one micro-batch's gradient being merged and

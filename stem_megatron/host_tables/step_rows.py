@@ -43,7 +43,7 @@ class StepRows:
             return
         start = time.perf_counter()
         slots = self.resident.slot_of[owned].to(self.resident.device, non_blocking=True)
-        mine = [self.resident.rows[layer].index_select(0, slots) for layer in self.layers]
+        mine = [self.resident.rows(layer, slots) for layer in self.layers]
         every = self.exchange.from_owners(routes, mine[0] if len(mine) == 1 else torch.cat(mine, dim=1))
         self.rows = dict(zip(self.layers, every.split(self.resident.cols, dim=1)))
         self.stats["rows_received"] += every.shape[0] * len(self.layers)

@@ -3,10 +3,11 @@
 Design: docs/gpu_step_v2.md. Without it, the host updates the rows the next step reads between the clip and the
 next forward (CPU Adam, the refresh, micro-batch 0's fetch: 0.25-0.45 s a step at 1B on one H100 by the note's
 estimate). With a working set (``stem.resident_rows``) every STEM layer keeps slots of fixed device tensors
-``[C, cols]``: the fp32 master row, ``exp_avg``, ``exp_avg_sq``, and the copy the forward reads in the dtype rows
-travel in. Then:
+``[C, cols]``: the fp32 master row, ``exp_avg`` and ``exp_avg_sq``. Then:
 
-- the forward gathers a micro-batch's rows by slot on the device: no host gather, no copy to the device;
+- the forward gathers a micro-batch's rows by slot on the device, from the masters cast to the dtype rows travel
+  in (the values a fetch of the host copies gives): no host gather, no copy to the device, and no copy of the
+  masters in that dtype to keep (a seventh of the slots' bytes);
 - the step's row gradients stay on the device, and right after the clip one AdamW updates the step's slots (lazy)
   or every resident slot (dense; the rows not resident decay on the host, with zero gradients, as today);
 - the next step's ids are then admitted: rows not resident enter with their state from the host; rows leave (the
@@ -81,7 +82,6 @@ class WorkingSet:
         self.counts = torch.zeros(vocab_size, dtype=torch.int64)  # steps that read each row: who stays when short
         self.ids = torch.empty(0, dtype=torch.int64)  # the id in each slot (-1: free)
         self.state: dict[int, dict[str, torch.Tensor]] = {layer: {} for layer in layers}
-        self.rows: dict[int, torch.Tensor] = {}
         slot, landing = working_set_bytes(moving_rows, cols, tokens) if moving_rows else (0, 0)
         self.h2d = HostToDevice(device, slot_bytes=slot)  # entering state, fp32 as it is on the host
         self.d2h = DeviceToHost(device)  # leaving state
@@ -121,7 +121,6 @@ class WorkingSet:
             for kind in KINDS:
                 fresh = torch.zeros(more, self.cols, device=self.device)
                 state[kind] = torch.cat([state[kind], fresh]) if kind in state else fresh
-            self.rows[layer] = state["master"] if self.travel == torch.float32 else state["master"].to(self.travel)
 
     # ---- the forward's side ----
     def fetch(self, tokens: torch.Tensor, step_ids: torch.Tensor, by_position: bool = False) -> PrefetchedRows:
@@ -142,9 +141,14 @@ class WorkingSet:
         stats = dict(unique_tokens=uniq.numel(), rows_fetched=0, bytes_to_device=0, cache_hits=0, cache_lookups=0)
         return PrefetchedRows(uniq, inverse, Fetched({}, send.ready, stats), in_step, order, slots=at)
 
+    def rows(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
+        """``layer``'s rows at ``slots`` in the travel dtype: the masters rounded as the host copies a fetch reads."""
+        rows = self.state[layer]["master"].index_select(0, slots)
+        return rows if self.travel == torch.float32 else rows.to(self.travel)
+
     def read(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
         """A micro-batch's rows of ``layer`` as an fp32 tensor (the layer's row leaf, whose gradient sums in fp32)."""
-        return self.rows[layer].index_select(0, slots).float()
+        return self.rows(layer, slots).float()
 
     # ---- after the clip ----
     def update(self, step: int, lr: float, layer: int, ids: torch.Tensor, grads: torch.Tensor, dense: bool) -> None:
@@ -156,7 +160,6 @@ class WorkingSet:
             resident = self.ids >= 0
             resident[slots] = False
             others = resident.nonzero().squeeze(1)
-        every = torch.cat([slots, others]).to(self.device, non_blocking=True)
         if self.kernel == "rows":
             order = torch.argsort(slots)
             self.adam.update_rows(step, lr, slots[order], grads, *(state[k] for k in KINDS), grad_rows=order)
@@ -165,9 +168,7 @@ class WorkingSet:
         else:
             if others.numel():
                 grads = torch.cat([grads, grads.new_zeros(others.numel(), self.cols)])
-            self._fused(step, lr, state, every, grads)
-        if self.rows[layer] is not state["master"]:
-            self.rows[layer].index_copy_(0, every, state["master"].index_select(0, every).to(self.travel))
+            self._fused(step, lr, state, torch.cat([slots, others]).to(self.device, non_blocking=True), grads)
 
     def _fused(self, step: int, lr: float, state: dict, slots: torch.Tensor, grads: torch.Tensor) -> None:
         """torch's fused AdamW on the rows at ``slots``: gathered, updated, put back (3x an in-place row kernel's
@@ -287,8 +288,6 @@ class WorkingSet:
     def _put(self, layer: int, at: torch.Tensor, rows: dict[str, torch.Tensor]) -> None:
         for kind, value in rows.items():
             self.state[layer][kind].index_copy_(0, at, value)
-        if self.rows[layer] is not self.state[layer]["master"]:
-            self.rows[layer].index_copy_(0, at, rows["master"].to(self.travel))
 
     def _evict(self, slots: torch.Tensor, ahead: bool = False) -> Callable[[], None]:
         """Free ``slots`` (sorted); their state goes to the host on the side stream (``ahead``: gathered there too,
