@@ -69,7 +69,7 @@ def test_a_deadline_runs_what_fits_in_order_and_a_second_command_runs_only_the_r
     assert plan_part(headline, state, left - 2)[0] == ("dense",)  # the part's own start counts
     assert plan_part(headline, state, STEPS_START_S + RUN_S["1B"] - 1) == (
         None, f"not run: {STEPS_START_S + RUN_S['1B'] - 1} s left, a run needs about {RUN_S['1B']} s")
-    assert plan_part(PART["gpu tests"], state, 30.0) == (None, "not run: 30 s left, it needs about 120 s")
+    assert plan_part(PART["gpu tests"], state, 30.0) == (None, "not run: 30 s left, it needs about 150 s")
     assert plan_part(PART["gpu tests"], state, None) == ((), "")
     # what the first command measured (one run stopped by the deadline counts as not run)
     merge_records(state, [_record("1B", "dense", 2.0), _record("1B", "stem_1_3_resident_lazy", None,
@@ -98,7 +98,7 @@ class _Clock:
 
 def test_two_commands_in_one_lease_measure_everything_once_and_return_what_a_lease_can(tmp_path, monkeypatch):
     """main() with its parts stood in for (each takes its planned seconds and writes what its command would): the
-    first command, with 400 s, runs the tests, 1B's headline and what else fits, and leaves the rest with why; the
+    first command, with 430 s, runs the tests, 1B's headline and what else fits, and leaves the rest with why; the
     second (--resume) runs only the rest; OUT holds at most 8 files, and the summary every figure of both."""
     import json
 
@@ -129,9 +129,9 @@ def test_two_commands_in_one_lease_measure_everything_once_and_return_what_a_lea
 
     monkeypatch.setattr(gpu_check, "step", step)
     work, first, second = tmp_path / "work", tmp_path / "out1", tmp_path / "out2"
-    until = clock.now + 400
+    until = clock.now + 430
     assert gpu_check.main(["--out", str(first), "--work", str(work), "--until", str(until)]) == 0
-    # 10 s kept for the summary, 120 s of tests, 1B's three runs (20 + 3 x 75), and none of the rest in 25 s
+    # 10 s kept for the summary, 150 s of tests, 1B's three runs (20 + 3 x 75), and none of the rest in 25 s
     assert ran == [("gpu tests", ()), ("1B headline", HEADLINE)]
     text = (first / "summary.md").read_text()
     assert "| layer | not run: 25 s left, it needs about 45 s | - | - |" in text
@@ -148,7 +148,7 @@ def test_two_commands_in_one_lease_measure_everything_once_and_return_what_a_lea
     assert sorted((r["model"], r["variant"]) for r in saved["records"]) == sorted(
         (m, v) for m in ("1B", "350M") for v in HEADLINE + OTHERS)
     text = (second / "summary.md").read_text()
-    assert "| gpu tests | ok | 1 | 120 |" in text and "| stem-doctor | not run: 70 s left, it needs about 90 s" in text
+    assert "| gpu tests | ok | 1 | 150 |" in text and "| stem-doctor | not run: 70 s left, it needs about 90 s" in text
     assert "| 350M STEM layer / dense FFN, forward + backward | 0.70x | 0.75x | 0.67x | yes |" in text
     assert len(list(second.iterdir())) <= 8
 

@@ -80,7 +80,7 @@ class Part:
 
 
 PARTS = (
-    Part("gpu tests", "tests", "gpu_tests.log", 120, 180),
+    Part("gpu tests", "tests", "gpu_tests.log", 150, 240),
     Part("1B headline", "steps", "gpu_step.log", model="1B", variants=HEADLINE),
     Part("layer", "layer", "layer.log", 45, 120),
     Part("350M headline", "steps", "gpu_step.log", model="350M", variants=HEADLINE),
