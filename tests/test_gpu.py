@@ -169,7 +169,8 @@ print("no pinning", moved)
 def test_a_working_set_on_the_gpu_trains_its_rows_as_the_cpu_and_pins_nothing_after_it_is_built(gpu_env, tmp_path):
     """A working set on the GPU whose rows enter (at the step's end, and ahead from another thread while the compute
     stream is busy) and leave every step ends with the CPU run's tables and moments: the same rows updated the same
-    steps, torch's fused AdamW against DeepSpeed's kernel (measured at ~3 eps an element a step, test_working_set).
+    steps, torch's fused AdamW against DeepSpeed's kernel (the fused kernel run on the CPU over these 8 steps: masters
+    within 1.1e-8, moments within 2.9e-7 relative).
     A row loaded into the wrong slot, before its copy, or landed from a slot not yet updated differs by a whole
     update or more. And its pinned staging and landing buffers are reserved when the store is built
     (``pinned.working_set_bytes``), so no step allocates pinned memory, which would synchronise the device."""
