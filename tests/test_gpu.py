@@ -141,6 +141,14 @@ store.admit(torch.unique(draw(1)))
 moved = {"stem_rows_entered": 0, "stem_rows_entered_ahead": 0, "stem_rows_left": 0}
 busy = torch.randn(4096, 4096, device=device) if device.type == "cuda" else None
 ahead = None
+
+
+def preload(step):  # the prefetch thread's part: a thread of its own, on the rank's device
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    store.preload(torch.unique(draw(step)))
+
+
 for step in range(1, 9):
     if busy is not None:  # the compute stream full while the prefetch thread loads ahead, as in training
         for _ in range(30):
@@ -150,8 +158,7 @@ for step in range(1, 9):
         ahead.join()
     store.step(1e-3, torch.unique(draw(step + 1)))
     # as the prefetch thread announces the step after, while this one computes
-    ahead = threading.Thread(target=lambda s=step: (device.type == "cuda" and torch.cuda.set_device(device),
-                                                    store.preload(torch.unique(draw(s + 2)))))
+    ahead = threading.Thread(target=preload, args=(step + 2,))
     ahead.start()
     stats = store.take_stats()
     for key in moved:

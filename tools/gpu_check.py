@@ -78,6 +78,10 @@ class Part:
     model: str = ""
     variants: tuple[str, ...] = ()
 
+    def planned(self, runs: int) -> int:
+        """The seconds the part is planned at with ``runs`` of its step runs."""
+        return STEPS_START_S + RUN_S[self.model] * runs if self.kind == "steps" else self.seconds
+
 
 PARTS = (
     Part("gpu tests", "tests", "gpu_tests.log", 150, 240),
@@ -116,7 +120,7 @@ def plan_part(part: Part, state: dict, left: Optional[float]) -> tuple[Optional[
     commands: (None and why, or the variants to run: those of a steps part not measured yet that fit, () for a part
     without variants)."""
     if part.kind != "steps":
-        if not part_status(state, part).startswith("not run"):
+        if not state["parts"].get(part.name, {}).get("status", "not run").startswith("not run"):
             return None, "ran earlier"
         if left is not None and left < part.seconds:
             return None, f"not run: {left:.0f} s left, it needs about {part.seconds} s"
@@ -125,14 +129,10 @@ def plan_part(part: Part, state: dict, left: Optional[float]) -> tuple[Optional[
     missing = tuple(v for v in part.variants if v not in measured)
     if not missing:
         return None, "ran earlier"
-    fit = len(missing) if left is None else int((left - STEPS_START_S) // RUN_S[part.model])
+    fit = len(missing) if left is None else max((n for n in range(1, len(missing) + 1) if part.planned(n) <= left), default=0)
     if fit == 0:
         return None, f"not run: {left:.0f} s left, a run needs about {RUN_S[part.model]} s"
     return missing[:fit], ""
-
-
-def part_status(state: dict, part: Part) -> str:
-    return state["parts"].get(part.name, {}).get("status", "not run")
 
 
 def merge_records(state: dict, new: list[dict]) -> None:
@@ -280,7 +280,7 @@ def main(argv=None) -> int:
             if why != "ran earlier":
                 state["parts"][part.name] = {"status": why}
             continue
-        planned = STEPS_START_S + RUN_S[part.model] * len(variants) if part.kind == "steps" else part.seconds
+        planned = part.planned(len(variants))
         cap = RUN_CAP_S * len(variants) if part.kind == "steps" else part.cap
         timeout = cap if left is None else min(cap, left + 20)  # a steps part stops its own runs by --until
         results = args.work / f"{part.name.replace(' ', '_')}.json"

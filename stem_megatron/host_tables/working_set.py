@@ -267,20 +267,23 @@ class WorkingSet:
         if not ids.numel():
             return
         local = self.host.local(ids)
-        at = None if ahead else slots.to(self.device, non_blocking=True)
-        for layer in self.layers:
-            with self._side(self.h2d.copies) if ahead else contextlib.nullcontext(), self.h2d.transfer() as send:
-                rows = {kind: send.gather(self.host.kind(kind)[layer], local) for kind in KINDS}
-                if ahead:  # put in place on the side stream too, the slots' places copied there; the compute
-                    self._put(layer, send.copy(slots), rows)  # stream reads none of these slots yet
-            if ahead:
-                self._loaded = send.ready
-                continue
-            if send.ready is not None:  # copied on the side stream, used and let go on this one
-                torch.cuda.current_stream().wait_event(send.ready)
-                for value in rows.values():
-                    value.record_stream(torch.cuda.current_stream())
-            self._put(layer, at, rows)
+        if ahead:  # put in place on the side stream too, after the last admit, the slots' places copied there
+            with self._side(self.h2d.copies):  # (the compute stream reads none of these slots yet)
+                for layer in self.layers:
+                    with self.h2d.transfer() as send:
+                        rows = {kind: send.gather(self.host.kind(kind)[layer], local) for kind in KINDS}
+                        self._put(layer, send.copy(slots), rows)
+                    self._loaded = send.ready
+        else:
+            at = slots.to(self.device, non_blocking=True)
+            for layer in self.layers:
+                with self.h2d.transfer() as send:
+                    rows = {kind: send.gather(self.host.kind(kind)[layer], local) for kind in KINDS}
+                if send.ready is not None:  # copied on the side stream, used and let go on this one
+                    torch.cuda.current_stream().wait_event(send.ready)
+                    for value in rows.values():
+                        value.record_stream(torch.cuda.current_stream())
+                self._put(layer, at, rows)
         self.slot_of[ids] = slots
         self.ids[slots] = ids
         self.stats["rows_entered"] += ids.numel() * len(self.layers)
