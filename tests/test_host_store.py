@@ -1,21 +1,23 @@
 """The host-resident STEM store: same training as the on-device table, lazy updates leave untouched
 rows alone, one copy of the tables per node, prefetch errors surface with their cause."""
 
+import dataclasses
 import os
 
 import distributed
 import pytest
 import torch
 
-from stem_megatron.config import ModelConfig, ParallelConfig, RunConfig, STEMConfig, TrainConfig
+from stem_megatron.config import DataConfig, ModelConfig, ParallelConfig, RunConfig, STEMConfig, TrainConfig
 
 MICRO, GLOBAL, STEPS = 2, 4, 20
 MODEL = ModelConfig(num_layers=4, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4, vocab_size=128,
                     seq_length=16)
 
 
-def _cfg(tp, pp, placement, optimizer="dense", steps=STEPS, table_init="scaled"):
-    stem = STEMConfig(variant="stem", ratio="1/2", placement=placement, optimizer=optimizer, table_init=table_init)
+def _cfg(tp, pp, placement, optimizer="dense", steps=STEPS, table_init="scaled", resident_rows=0):
+    stem = STEMConfig(variant="stem", ratio="1/2", placement=placement, optimizer=optimizer, table_init=table_init,
+                      resident_rows=resident_rows)
     return RunConfig(model=MODEL, stem=stem,
                      parallel=ParallelConfig(tp, pp),
                      train=TrainConfig(steps=steps, micro_batch_size=MICRO, global_batch_size=GLOBAL, lr=1e-2))
@@ -174,7 +176,7 @@ def _memory_per_node():
     return measured
 
 
-def _rows_held():
+def _rows_held(resident_rows: int):
     """Two steps of two micro-batches; each registered row leaf watched through a weak reference."""
     import weakref
 
@@ -182,7 +184,7 @@ def _rows_held():
     from stem_megatron.training.setup import setup_model
     from stem_megatron.training.step import train_step
 
-    trainer = setup_model(_cfg(1, 1, "host", optimizer="lazy", steps=2))
+    trainer = setup_model(_cfg(1, 1, "host", optimizer="lazy", steps=2, resident_rows=resident_rows))
     store, watched, alive_at_register = trainer.store, [], []
     register = store.register
 
@@ -207,16 +209,25 @@ def _rows_held():
 
 
 @pytest.mark.slow
-def test_the_device_holds_one_micro_batch_of_rows_and_the_step_gradients():
+@pytest.mark.parametrize("resident_rows", [0, MODEL.vocab_size])
+def test_the_device_holds_one_micro_batch_of_rows_and_the_step_gradients(resident_rows):
     """Issue 26: a micro-batch's rows go once its backward has merged their gradients into the step's
     buffers: when a layer registers its rows, no earlier micro-batch's rows are alive (before, every
     micro-batch's stayed until the step's end). The counted peak is the step's merged buffers, one
-    micro-batch's rows and one gradient being merged, which the memory plan's bound covers."""
-    alive, peaks, layers, row, step_ids, mb_ids, n_micro = distributed.run(_rows_held, 1)[0]
+    micro-batch's rows and one gradient being merged, which the memory plan covers at the measured distinct ids
+    (its ``step_rows``; with a working set, whose rows the forward reads from its slots, the same, less the
+    prefetcher's queue of rows: that queue holds slots)."""
+    from stem_megatron.flops.memory import Layout, plan
+
+    alive, peaks, layers, row, step_ids, mb_ids, n_micro = distributed.run(_rows_held, 1, resident_rows)[0]
     assert n_micro == 2 and len(alive) == 2 * n_micro * layers
     assert max(alive) == layers - 1, alive  # the same micro-batch's other layers only
+    cfg = dataclasses.replace(_cfg(1, 1, "host", optimizer="lazy", steps=2, resident_rows=resident_rows),
+                              data=DataConfig(vocab_size=MODEL.vocab_size))
     for peak, s, u in zip(peaks, step_ids, mb_ids):
         assert layers * s * row <= peak <= (layers * s + layers * u + u) * row, (peak, s, u)
+        planned = plan(cfg, Layout(1, 1, device="cpu"), u, s)["stages"][0]["device"]["step_rows"]
+        assert peak <= planned - layers * u * row * (not resident_rows), (peak, planned)
 
 
 @pytest.mark.slow

@@ -155,3 +155,54 @@ def test_activations_of_a_token_count_do_not_grow_with_the_sequence():
 
     for device in ("cpu", "gpu"):
         assert planned(1, 512, device) == planned(2, 256, device) > 0
+
+
+def _resident_plan(rows: int, **distinct) -> dict:
+    """1B STEM-1/3 on one GPU at gpu_step's batch (16 x 2048 tokens, micro-batch 2), lazy Adam, a set of ``rows``."""
+    from stem_megatron.recipes import compose_run
+
+    cfg = compose_run(["+experiment=pretrain_1b", "model.seq_length=2048", "train.global_batch_size=16",
+                       "train.micro_batch_size=2", "variant=stem_1_3", "stem.optimizer=lazy",
+                       f"stem.resident_rows={rows}"])
+    return cfg, plan(cfg, Layout(1, 1), **distinct)["stages"][0]
+
+
+def test_a_steps_distinct_ids_and_a_working_sets_queue_of_slots_lower_the_planned_rows():
+    """A step's merged row gradients are planned over its distinct ids (ids repeat across micro-batches: 6,528 of
+    32,768 profile tokens, where 8 micro-batches of 1,777 bound them at 14,216); with a working set the prefetcher
+    queues slots, not rows, so only the micro-batch in flight holds rows."""
+    layers, row, u, s = 5, 8192 * 4, 1777, 6528
+    _, bound = _resident_plan(0, distinct_ids=u)
+    _, host = _resident_plan(0, distinct_ids=u, step_distinct_ids=s)
+    _, resident = _resident_plan(16384, distinct_ids=u, step_distinct_ids=s)
+    assert bound["device"]["step_rows"] - host["device"]["step_rows"] == (layers + 2) * (8 * u - s) * row
+    assert host["device"]["step_rows"] - resident["device"]["step_rows"] == 2 * layers * u * row  # prefetch_depth 2
+    assert resident["device"]["working_set"] == layers * 16384 * 3 * row
+    # more distinct ids than its micro-batches hold is their bound
+    assert _resident_plan(0, distinct_ids=u, step_distinct_ids=10**6)[1]["device"] == bound["device"]
+
+
+@pytest.mark.parametrize("ratio", [1.10, 1.25])
+def test_the_working_set_within_a_ratio_of_dense_is_the_largest_whose_plan_stays_there(ratio):
+    from stem_megatron.flops.memory import working_set_within
+
+    distinct = dict(distinct_ids=1777, step_distinct_ids=6528)
+    cfg, _ = _resident_plan(0)
+    dense = plan(dataclasses.replace(cfg, stem=dataclasses.replace(cfg.stem, variant="dense")), Layout(1, 1),
+                 **distinct)["stages"][0]["device_total"]
+    rows = working_set_within(cfg, Layout(1, 1), ratio, **distinct)
+    assert 6528 < rows < 128256  # more than a step's rows, fewer than the table's
+    assert _resident_plan(rows, **distinct)[1]["device_total"] <= ratio * dense
+    assert _resident_plan(rows + 1, **distinct)[1]["device_total"] > ratio * dense
+    assert working_set_within(cfg, Layout(1, 1), 0.95, **distinct) == 0  # not even a row: 0, never negative
+
+
+def test_cli_says_the_largest_working_set_within_the_goal(capsys):
+    """The recipe's layout (8 GPUs, DP = 8) at the profile's distinct ids of a rank's micro-batch and step."""
+    args = ["--memory", "+experiment=pretrain_1b", "variant=stem_1_3"]
+    main([*args, "--distinct-ids", "4408", "--step-distinct-ids", "16018"])
+    assert re.search(r"a working set within dense's \+ 10% on this layout \(the GPU step's memory goal\): "
+                     r"stem.resident_rows <= \d[\d,]+ \(a set too small for a step's rows grows\)\n$",
+                     capsys.readouterr().out)
+    main(args)  # at the ids' bound (every token a distinct id) the step's rows alone exceed it
+    assert capsys.readouterr().out.splitlines()[-1].startswith("no working set fits within dense's + 10%")

@@ -74,12 +74,16 @@ def build_parser() -> argparse.ArgumentParser:
     memory.add_argument("--distinct-ids", type=int, default=None,
                         help="distinct token ids per micro-batch (default: the bound min(V, b*s); a run's "
                              "stem_unique_tokens / micro-batches per step gives the real figure)")
+    memory.add_argument("--step-distinct-ids", type=int, default=None,
+                        help="distinct token ids per step of one DP rank, its micro-batches' together (default: their "
+                             "bound, micro-batches x --distinct-ids; ids repeat across micro-batches: 6.5k of 32,768 "
+                             "tokens of the 128k profile)")
     return parser
 
 
 def _memory(args) -> dict:
     """Compose the run as stem-train would, lay it out, print and return the plan."""
-    from stem_megatron.flops.memory import Layout, plan, print_plan
+    from stem_megatron.flops.memory import WITHIN_DENSE, Layout, host_stem_layers, plan, print_plan, working_set_within
     from stem_megatron.host_tables.node import free_space
     from stem_megatron.recipes import compose_run
 
@@ -92,8 +96,11 @@ def _memory(args) -> dict:
     par.pipeline_model_parallel_size = args.pp or par.pipeline_model_parallel_size
     layout = Layout(args.nodes, args.gpus_per_node, par.tensor_model_parallel_size,
                     par.pipeline_model_parallel_size, args.device)
-    result = plan(cfg, layout, args.distinct_ids)
+    result = plan(cfg, layout, args.distinct_ids, args.step_distinct_ids)
     result["overrides"] = list(args.models)
+    if layout.device == "gpu" and any(host_stem_layers(cfg, layout.pp, p) for p in range(layout.pp)):
+        result["working_set_within"] = {"ratio": WITHIN_DENSE, "rows": working_set_within(
+            cfg, layout, WITHIN_DENSE, args.distinct_ids, args.step_distinct_ids)}
     if args.json != "-":
         machine = None
         if args.here:
@@ -101,6 +108,12 @@ def _memory(args) -> dict:
                 raise FlopsError(f"--here: this machine has no {cfg.stem.shm_dir} (stem.shm_dir) to hold the tables")
             machine = (cfg.stem.shm_dir, *free_space(cfg.stem.shm_dir))
         print_plan(result, " ".join(args.models) or "the demo (recipes/train.yaml)", machine)
+        rows = result.get("working_set_within", {}).get("rows")
+        if rows is not None:
+            goal = f"within dense's + {WITHIN_DENSE - 1:.0%} on this layout (the GPU step's memory goal)"
+            print(f"a working set {goal}: stem.resident_rows <= {rows:,} (a set too small for a step's rows grows)"
+                  if rows else f"no working set fits {goal} at these distinct ids (their bounds, unless --distinct-ids "
+                  f"and --step-distinct-ids give a run's)")
     return result
 
 

@@ -22,13 +22,18 @@ by the kernel the run takes, ``attention_kept``) for the micro-batches 1F1B keep
 distributed optimizer, gloo's flat staging copy of the DDP buffer its reduce-scatter and all-gather make.
 
 Distinct ids per micro-batch default to their bound, min(V, b*s); a run's metrics give the real figure
-(``stem_unique_tokens`` / micro-batches per step) for ``--distinct-ids``.
+(``stem_unique_tokens`` / micro-batches per step) for ``--distinct-ids``. A step's distinct ids (its merged row
+gradients) default to their bound, the micro-batches' summed; the ids of its micro-batches overlap (6.5k of 32,768
+tokens drawn from the 128k profile, where 8 micro-batches of 1B's 1,777 bound it at 14.2k): ``--step-distinct-ids``.
+
+``working_set_within`` inverts the plan for the GPU step's memory goal (issue 31): the most rows a layer a working
+set can hold while a GPU's plan stays within a ratio of the dense model's plan on the same layout.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Optional
 
 from stem_megatron.config import ConfigError, RunConfig, validate_layout
@@ -48,6 +53,8 @@ PROCESS_BYTES, LIBRARY_BYTES = 355 * 2**20, 95 * 2**20
 # around the two norms, and of the FFN's d_ff/tp by variant (STEM: W_g x, SiLU, rows, product)
 NORM_TERMS = 6
 FFN_TERMS = {"dense": 5, "stem": 4, "stem_gate": 4, "stem_dagger": 4, "hash_moe": 5}
+# a working set's device plan at most this times the dense model's: the GPU step's memory goal (issue 31)
+WITHIN_DENSE = 1.10
 # the peak RSS a micro-batch's activations add over the tensors kept for backward (backward's gradients and the
 # allocator's slack): 1.30 and 1.52 on two small shapes on CPU (docs/memory.md); unmeasured on GPU
 ACTIVATION_PEAK = 1.4
@@ -230,14 +237,16 @@ def node_shared_bytes(cfg: RunConfig, layout: Layout, node: int) -> dict[str, in
     return out
 
 
-def plan(cfg: RunConfig, layout: Layout, distinct_ids: Optional[int] = None) -> dict:
-    """The plan as a JSON-ready dict: ``stages`` (one rank's device parts), ``nodes`` (host parts per node)."""
+def plan(cfg: RunConfig, layout: Layout, distinct_ids: Optional[int] = None,
+         step_distinct_ids: Optional[int] = None) -> dict:
+    """The plan as a JSON-ready dict: ``stages`` (one rank's device parts), ``nodes`` (host parts per node).
+    ``distinct_ids``: a micro-batch's, ``step_distinct_ids``: a step's (one DP rank's); default: their bounds."""
     check_layout(cfg, layout)
     m, s, t, par = cfg.model, cfg.stem, cfg.train, cfg.parallel
     V, gpu, dp, row = m.vocab_size, layout.device == "gpu", layout.dp, m.ffn_hidden_size // layout.tp * FP32
     micro = t.global_batch_size // (t.micro_batch_size * dp)
     uniq = min(V, distinct_ids or t.micro_batch_size * m.seq_length)
-    step_uniq = min(V, micro * uniq)  # distinct ids of a step (one DP rank's micro-batches)
+    step_uniq = min(V, micro * uniq, step_distinct_ids or V)  # distinct ids of a step (one DP rank's micro-batches)
     copy_row = row // (2 if s.read_dtype == "bf16" else 1)  # a row of the host copies
     travel_row = min(copy_row, row // 2) if gpu else copy_row  # a row as it travels (bf16 on GPU): staging, cache
     stages = []
@@ -258,10 +267,10 @@ def plan(cfg: RunConfig, layout: Layout, distinct_ids: Optional[int] = None) -> 
             "working_set": layers * min(s.resident_rows, V) * 3 * row
             + layers * step_uniq * travel_row * (dp > 1 and s.resident_rows > 0),
             # the step's merged row gradients (one buffer a layer over its distinct ids), the fp32 rows of the
-            # micro-batches in flight and queued by the prefetcher, one micro-batch's gradient being merged and
-            # one layer's exchange (step_pipeline.RowGradients)
-            "step_rows": (layers * step_uniq + min(micro, in_flight + s.prefetch_depth) * layers * uniq
-                          + bool(layers) * (uniq + 2 * step_uniq)) * row,
+            # micro-batches in flight and queued by the prefetcher (a working set's queue holds slots, not rows),
+            # one micro-batch's gradient being merged and one layer's exchange (step_pipeline.RowGradients)
+            "step_rows": (layers * step_uniq + min(micro, in_flight + s.prefetch_depth * (not s.resident_rows))
+                          * layers * uniq + bool(layers) * (uniq + 2 * step_uniq)) * row,
             "activations": activation_bytes(cfg, layout, p, in_flight),
             # CPU: gloo's reduce-scatter of the grad buffer and all-gather of the param buffer (distributed
             # optimizer, DP > 1; one bucket) stage a flat copy of the whole buffer; skipped at DP = 1 (cpu_compat)
@@ -275,7 +284,7 @@ def plan(cfg: RunConfig, layout: Layout, distinct_ids: Optional[int] = None) -> 
         for stage, dp_node, dp_nodes, peers in _node_stages(layout, n):
             layers, count = len(stages[stage]["stem_layers"]), peers * layout.tp  # the stage's ranks here
             mine = math.ceil(V / (dp_nodes * peers))  # rows one rank updates: its share of its node's
-            touched = min(mine, math.ceil(micro * dp * uniq / (dp_nodes * peers)))
+            touched = min(mine, math.ceil(dp * step_uniq / (dp_nodes * peers)))
             grads = layers * touched * (row + 8)  # dense Adam adds no zero gradients (row_adam: grads None)
             ranks["process"] += count * PROCESS_BYTES
             ranks["adam_gradients"] += count * grads
@@ -303,6 +312,26 @@ def plan(cfg: RunConfig, layout: Layout, distinct_ids: Optional[int] = None) -> 
             "attention": attention_kept(cfg, layout)[0],
             "optimizer": s.optimizer, "distributed_optimizer": par.use_distributed_optimizer, "stages": stages,
             "nodes": nodes}
+
+
+def working_set_within(cfg: RunConfig, layout: Layout, ratio: float, distinct_ids: Optional[int] = None,
+                       step_distinct_ids: Optional[int] = None) -> int:
+    """The most rows a layer ``stem.resident_rows`` can hold while every stage's device plan stays within ``ratio``
+    times the dense model's on ``layout`` (the same micro-batches), at most V; 0 where not even one row fits. The
+    plan grows by the same bytes with each row (its master and moments in every STEM layer of the stage), read off
+    the plans of sets of one and two rows. A set smaller than a step's distinct ids grows in the run
+    (``working_set.py``)."""
+    def stages(**stem) -> list[int]:
+        planned = plan(replace(cfg, stem=replace(cfg.stem, **stem)), layout, distinct_ids, step_distinct_ids)
+        return [stage["device_total"] for stage in planned["stages"]]
+
+    rows = cfg.model.vocab_size
+    for dense, one, two in zip(stages(variant="dense", resident_rows=0), stages(resident_rows=1),
+                               stages(resident_rows=2)):
+        per_row = two - one
+        if per_row:  # a stage with STEM layers
+            rows = min(rows, max(0, math.floor((ratio * dense - (one - per_row)) / per_row)))
+    return rows
 
 
 def print_plan(result: dict, title: str, machine: Optional[tuple[str, int, int]] = None) -> None:
