@@ -12,10 +12,13 @@ so a variant that runs out of memory does not take the others with it):
   stem_full_host        STEM-full, tables in host memory, the recipe's CPU Adam
   stem_1_3_resident_lazy  STEM-1/3, host tables with a working set of 16,384 rows a layer on the device, updated
                         there (stem.resident_rows, lazy Adam; docs/gpu_step_v2.md)
-  stem_full_resident_lazy STEM-full, the same with 12,288 rows a layer (two steps' rows, ~9.2k, and room: at
-                        16,384 its 1B plan is 79.4 GiB, over an H100's 79; 73.8 GiB at 12,288)
+  stem_full_resident_lazy STEM-full, the same with 12,288 rows a layer (two steps' rows, ~9.2k, and room; at 1B
+                        its 16 layers plan 55.3 GiB with it, 60.9 GiB with 16,384)
   stem_1_3_resident_dense STEM-1/3 with that working set and CPU Adam on every row (the recipe's dense Adam: the
                         rows not resident decayed on the host)
+  stem_1_3_resident_fit STEM-1/3 with lazy Adam and the largest working set whose memory plan stays within dense's
+                        + 10% (issue 31's peak goal; `flops/memory.working_set_within` at the profile's distinct ids:
+                        8,947 rows a layer at 1B, 8,003 at 350M on one GPU)
 
 Shapes: `paper` (default with a GPU): +experiment=pretrain_350m and +experiment=pretrain_1b at sequence length
 2048, global batch 16 (32,768 tokens per step), micro-batch 4 (350M) and 2 (1B); `tiny` (default without one):
@@ -26,7 +29,8 @@ of vocabulary V (id 0 is EOD); the documents are written as an indexed dataset b
 
 Per variant one table row: median step time over the steps after `--warmup` (the profiled last step left out),
 tokens/s, MFU (`flops/mfu.py`; none on CPU), peak memory (GPU: torch.cuda.max_memory_allocated of rank 0; CPU: rank
-0's peak RSS), the memory plan's bytes per GPU or rank (`flops/memory.py`), the step time over dense's in the same
+0's peak RSS), the memory plan's bytes per GPU or rank (`flops/memory.py`, at the distinct ids a micro-batch and a
+step of the profile's ids are expected to hold), the step time over dense's in the same
 invocation, and the STEM parts per step from metrics.jsonl (prefetch wait, CPU Adam on the step's path, the wait
 for the last step's CPU Adam that ran beside it, exchange wait, bytes to and from the device, the counted peak of
 row leaves and merged row gradients on the device). Then the top ops of the last step of each run, profiled by `logging.profile_step` (by self CUDA
@@ -63,16 +67,18 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from stem_megatron.data.tokenizer import EOD_TOKEN  # noqa: E402
+from stem_megatron.flops.memory import WITHIN_DENSE  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
-from row_sync import DEFAULT_COUNTS, load_counts  # noqa: E402
+from row_sync import DEFAULT_COUNTS, expected_distinct, load_counts  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 GIB, MB = 2**30, 1e6
 MIN_RUN_S = 60  # a run given less than this before --until would be stopped before its timed steps
 
 RESIDENT = "stem.resident_rows=16384"  # the working set (docs/gpu_step_v2.md: ~6.5k distinct ids a step at 32,768)
-RESIDENT_FULL = "stem.resident_rows=12288"  # every layer a STEM layer: a smaller set, so that 1B fits an H100
+RESIDENT_FULL = "stem.resident_rows=12288"  # every layer a STEM layer: two steps' rows and room, 6 GiB under 16,384
+FIT = "stem_1_3_resident_fit"  # its set sized at run time: the most rows the plan keeps within WITHIN_DENSE x dense's
 VARIANTS = {  # name -> (label, overrides)
     "dense": ("dense", ["variant=dense"]),
     "stem_1_3_device": ("STEM-1/3 device tables", ["variant=stem_1_3", "stem.placement=device", "stem.clip=global"]),
@@ -87,6 +93,8 @@ VARIANTS = {  # name -> (label, overrides)
                                                                  "stem.optimizer=lazy", RESIDENT_FULL]),
     "stem_1_3_resident_dense": ("STEM-1/3 working set, dense", ["variant=stem_1_3", "stem.placement=host",
                                                                 "stem.optimizer=dense", RESIDENT]),
+    FIT: ("STEM-1/3 working set, fit", ["variant=stem_1_3", "stem.placement=host",
+                                                             "stem.optimizer=lazy"]),
 }
 
 
@@ -206,14 +214,31 @@ def compose(overrides: list[str]):
     return compose_run(overrides)
 
 
-def planned_bytes(overrides: list[str], nproc: int, gpu: bool) -> Optional[int]:
-    """The memory plan's device bytes per GPU (per rank on CPU) of rank 0's stage, as the out-of-memory line plans."""
+def expected_distinct_ids(counts: np.ndarray, vocab: int, tokens: tuple[int, int]) -> tuple[int, int]:
+    """The distinct ids expected in a micro-batch's and in a step's ``tokens`` drawn from the profile (as
+    ``write_corpus`` draws them), e.g. 1,777 and 6,528 of 4,096 and 32,768 at V = 128,256."""
+    p = profile_ids(counts, vocab)[1]
+    return tuple(min(n, round(expected_distinct(p, n))) for n in tokens)
+
+
+def planned_bytes(overrides: list[str], nproc: int, gpu: bool, distinct: tuple[int, int]) -> Optional[int]:
+    """The memory plan's device bytes per GPU (per rank on CPU) of rank 0's stage, as the out-of-memory line plans,
+    at ``distinct`` ids of a micro-batch and a step."""
     from stem_megatron.training.device_memory import planned_device_bytes
 
     try:
-        return planned_device_bytes(compose(overrides), 0, nproc, nproc, gpu)
+        return planned_device_bytes(compose(overrides), 0, nproc, nproc, gpu, *distinct)
     except Exception:  # noqa: BLE001 - a layout the plan refuses: the run says why
         return None
+
+
+def rows_within(overrides: list[str], nproc: int, gpu: bool, distinct: tuple[int, int]) -> int:
+    """The most ``stem.resident_rows`` whose plan stays within ``WITHIN_DENSE`` x dense's (0: none fits)."""
+    from stem_megatron.flops.memory import working_set_within
+    from stem_megatron.training.device_memory import run_layout
+
+    cfg = compose(overrides)
+    return working_set_within(cfg, run_layout(cfg, nproc, nproc, gpu), WITHIN_DENSE, *distinct)
 
 
 def launch(cmd: list[str], log: Path, timeout: float) -> tuple[int, str]:
@@ -258,8 +283,9 @@ def median(values: list) -> Optional[float]:
     return statistics.median(values) if values else None
 
 
-def run_variant(model: Model, variant: str, args, corpus: Path, vocab: int, gpu: Optional[dict]
-                ) -> Result:
+def run_variant(model: Model, variant: str, args, corpus: Path, vocab: int, gpu: Optional[dict],
+                distinct: tuple[int, int]) -> Result:
+    """One run of ``variant``; ``distinct``: the ids a micro-batch and a step are expected to hold (the plan's)."""
     label, variant_overrides = VARIANTS[variant]
     out_dir = args.out / model.name / variant
     result = Result(model.name, variant, label, out_dir=str(out_dir))
@@ -269,7 +295,16 @@ def run_variant(model: Model, variant: str, args, corpus: Path, vocab: int, gpu:
                  f"train.micro_batch_size={micro}", "train.eval_iters=0", "train.log_interval=1",
                  "checkpoint.resume=false", "checkpoint.save=false", f"logging.profile_step={args.steps}",
                  f"out_dir={out_dir}", *args.overrides]
-    result.plan_device_bytes = planned_bytes(overrides, args.nproc, gpu is not None)
+    if variant == FIT:
+        rows = rows_within(overrides, args.nproc, gpu is not None, distinct)
+        if rows < distinct[1]:  # a set below a step's ids would grow in the run, past the plan
+            result.status = "not run"
+            result.note = (f"no working set of a step's {distinct[1]:,} rows fits within {WITHIN_DENSE:.2f}x dense's "
+                           f"plan here ({rows:,} rows would)")
+            return result
+        overrides.insert(len(model.overrides) + len(variant_overrides), f"stem.resident_rows={rows}")
+        result.label = f"STEM-1/3 working set {rows:,}"
+    result.plan_device_bytes = planned_bytes(overrides, args.nproc, gpu is not None, distinct)
     if gpu and not args.run_all and result.plan_device_bytes and result.plan_device_bytes > gpu["total_memory"]:
         result.status = "out of memory"
         result.note = (f"not run: the plan's {result.plan_device_bytes / GIB:.1f} GiB per GPU exceed the GPU's "
@@ -351,7 +386,7 @@ def row(r: Result) -> str:
 
 
 def print_table(model: Model, results: list[Result], shapes_name: str, args, gpu: Optional[dict], vocab: int,
-                seq: int) -> None:
+                seq: int, distinct: tuple[int, int]) -> None:
     micro = args.micro_batch or model.micro_batch
     print(f"\n{model.name} ({shapes_name} shapes): {args.global_batch} x {seq} = {args.global_batch * seq:,} tokens per "
           f"step, micro-batch {micro}, {args.nproc} process(es), V={vocab:,} (ids from the 128k profile); "
@@ -360,7 +395,8 @@ def print_table(model: Model, results: list[Result], shapes_name: str, args, gpu
     for r in results:
         print(row(r))
     kind = "torch.cuda.max_memory_allocated, rank 0" if gpu else "peak RSS of rank 0's process (CPU: no device)"
-    print(f"peak: {kind}; plan: the memory plan's device bytes per {'GPU' if gpu else 'rank'} (flops/memory.py); "
+    print(f"peak: {kind}; plan: the memory plan's device bytes per {'GPU' if gpu else 'rank'} (flops/memory.py) at "
+          f"the distinct ids expected, {distinct[0]:,} a micro-batch and {distinct[1]:,} a step; "
           f"x dense: step time / dense's in this invocation; STEM parts: medians per step, rank 0 (metrics.jsonl)")
 
 
@@ -419,12 +455,16 @@ def main(argv=None) -> None:
         vocab, seq = base.model.vocab_size, base.model.seq_length
         need = int(1.2 * args.steps * args.global_batch * (seq + 1)) + 8192
         corpus = write_corpus(args.out / f"corpus-v{vocab}", counts, vocab, need)
-        extra = {"vocab": vocab, "seq_length": seq, "global_batch": args.global_batch,
-                 "micro_batch": args.micro_batch or model.micro_batch, "nproc": args.nproc}
+        micro = args.micro_batch or model.micro_batch
+        par = base.parallel
+        dp = max(1, args.nproc // (par.tensor_model_parallel_size * par.pipeline_model_parallel_size))
+        distinct = expected_distinct_ids(counts, vocab, (micro * seq, args.global_batch // dp * seq))
+        extra = {"vocab": vocab, "seq_length": seq, "global_batch": args.global_batch, "micro_batch": micro,
+                 "nproc": args.nproc, "distinct_ids": distinct}
         results = []
         for variant in variants:
             print(f"  {model.name} {variant} ...", flush=True)
-            results.append(run_variant(model, variant, args, corpus, vocab, gpu))
+            results.append(run_variant(model, variant, args, corpus, vocab, gpu, distinct))
             dense = next((r for r in results if r.variant == "dense" and r.status == "ok"), None)
             for r in results:
                 if dense is not None and r.status == "ok":
@@ -434,7 +474,7 @@ def main(argv=None) -> None:
                     "date": str(datetime.date.today()), "machine": machine(gpu), "gpu": gpu, "shapes": shapes_name,
                     "steps": args.steps, "warmup": args.warmup,
                     "records": records + [r.__dict__ | extra for r in results]}, indent=2) + "\n")
-        print_table(model, results, shapes_name, args, gpu, vocab, seq)
+        print_table(model, results, shapes_name, args, gpu, vocab, seq, distinct)
         print_profiles(results, args.top)
         records += [r.__dict__ | extra for r in results]
 

@@ -63,7 +63,7 @@ def test_the_summary_puts_a_baseline_beside_then_the_parts_then_the_audits():
 def test_a_deadline_runs_what_fits_in_order_and_a_second_command_runs_only_the_rest():
     state = {"parts": {}, "records": [], "layer": []}
     headline = PART["1B headline"]
-    # two of the three 1B runs fit: the first two, dense first
+    # two of the four 1B runs fit: the first two, dense first
     left = STEPS_START_S + 2 * RUN_S["1B"] + 1
     assert plan_part(headline, state, left) == (("dense", "stem_1_3_resident_lazy"), "")
     assert plan_part(headline, state, left - 2)[0] == ("dense",)  # the part's own start counts
@@ -75,12 +75,14 @@ def test_a_deadline_runs_what_fits_in_order_and_a_second_command_runs_only_the_r
     merge_records(state, [_record("1B", "dense", 2.0), _record("1B", "stem_1_3_resident_lazy", None,
                                                                status="not run", note="50 s left before --until")])
     state["parts"]["gpu tests"] = {"status": "exit 1", "seconds": 100.0, "planned": 120}
-    assert plan_part(headline, state, None) == (("stem_1_3_resident_lazy", "stem_1_3_host_lazy"), "")
+    assert plan_part(headline, state, None) == (
+        ("stem_1_3_resident_lazy", "stem_1_3_resident_fit", "stem_1_3_host_lazy"), "")
     assert plan_part(PART["gpu tests"], state, None) == (None, "ran earlier")  # a failure is not rerun
-    merge_records(state, [_record("1B", "stem_1_3_resident_lazy", 1.8), _record("1B", "stem_1_3_host_lazy", 1.9)])
+    merge_records(state, [_record("1B", "stem_1_3_resident_lazy", 1.8), _record("1B", "stem_1_3_resident_fit", 1.85),
+                          _record("1B", "stem_1_3_host_lazy", 1.9)])
     assert plan_part(headline, state, None) == (None, "ran earlier")
     assert [(r["variant"], r["step_time_s"]) for r in state["records"]] == [
-        ("dense", 2.0), ("stem_1_3_resident_lazy", 1.8), ("stem_1_3_host_lazy", 1.9)]
+        ("dense", 2.0), ("stem_1_3_resident_lazy", 1.8), ("stem_1_3_resident_fit", 1.85), ("stem_1_3_host_lazy", 1.9)]
 
 
 class _Clock:
@@ -98,7 +100,8 @@ class _Clock:
 
 def test_two_commands_in_one_lease_measure_everything_once_and_return_what_a_lease_can(tmp_path, monkeypatch):
     """main() with its parts stood in for (each takes its planned seconds and writes what its command would): the
-    first command, with 430 s, runs the tests, 1B's headline and what else fits, and leaves the rest with why; the
+    first command, with 570 s (docs/gpu.md's), runs the tests, 1B's headline and what else fits, and leaves the rest
+    with why; the
     second (--resume) runs only the rest; OUT holds at most 8 files, and the summary every figure of both."""
     import json
 
@@ -129,26 +132,27 @@ def test_two_commands_in_one_lease_measure_everything_once_and_return_what_a_lea
 
     monkeypatch.setattr(gpu_check, "step", step)
     work, first, second = tmp_path / "work", tmp_path / "out1", tmp_path / "out2"
-    until = clock.now + 430
+    until = clock.now + 570
     assert gpu_check.main(["--out", str(first), "--work", str(work), "--until", str(until)]) == 0
-    # 10 s kept for the summary, 150 s of tests, 1B's three runs (20 + 3 x 75), and none of the rest in 25 s
-    assert ran == [("gpu tests", ()), ("1B headline", HEADLINE)]
+    # 10 s kept for the summary, 150 s of tests, 1B's four runs (20 + 4 x 75), the layer (45), none of the rest in 45 s
+    assert ran == [("gpu tests", ()), ("1B headline", HEADLINE["1B"]), ("layer", ())]
     text = (first / "summary.md").read_text()
-    assert "| layer | not run: 25 s left, it needs about 45 s | - | - |" in text
-    assert "| 350M headline | not run: 25 s left, a run needs about 55 s | - | - |" in text
+    assert "| 350M headline | not run: 45 s left, a run needs about 55 s | - | - |" in text
+    assert "| stem-doctor | not run: 45 s left, it needs about 90 s | - | - |" in text
     assert "| 1B STEM-1/3 working set, lazy / dense | 0.90x | 1.00x | 0.95x | yes |" in text
+    assert "| 1B STEM-1/3 working set within dense + 10%, peak / dense peak | 1.00x | 1.10x | - | yes |" in text
     assert "350M STEM-1/3 working set, lazy / dense | - (stem_1_3_resident_lazy: not run)" in text
     assert len(list(first.iterdir())) <= 8
     ran.clear()
     until = clock.now + 1000
     assert gpu_check.main(["--out", str(second), "--work", str(work), "--until", str(until), "--resume"]) == 0
-    # 990 s: the layer (45), 350M's headline (185), the others at 1B (395) and 350M (295); 70 s: no doctor
-    assert ran == [("layer", ()), ("350M headline", HEADLINE), ("1B others", OTHERS), ("350M others", OTHERS)]
+    # 990 s: 350M's headline (185), the others at 1B (395) and 350M (350); 60 s: no doctor
+    assert ran == [("350M headline", HEADLINE["350M"]), ("1B others", OTHERS["1B"]), ("350M others", OTHERS["350M"])]
     saved = json.loads((second / "gpu_step.json").read_text())
     assert sorted((r["model"], r["variant"]) for r in saved["records"]) == sorted(
-        (m, v) for m in ("1B", "350M") for v in HEADLINE + OTHERS)
+        (m, v) for m in ("1B", "350M") for v in HEADLINE[m] + OTHERS[m])
     text = (second / "summary.md").read_text()
-    assert "| gpu tests | ok | 1 | 150 |" in text and "| stem-doctor | not run: 70 s left, it needs about 90 s" in text
+    assert "| gpu tests | ok | 1 | 150 |" in text and "| stem-doctor | not run: 60 s left, it needs about 90 s" in text
     assert "| 350M STEM layer / dense FFN, forward + backward | 0.70x | 0.75x | 0.67x | yes |" in text
     assert len(list(second.iterdir())) <= 8
 

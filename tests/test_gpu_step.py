@@ -17,7 +17,7 @@ from stem_megatron.config import ConfigError, RunConfig, validate, validate_layo
 from stem_megatron.training.device_memory import out_of_memory_in
 
 REPO = Path(__file__).resolve().parents[1]
-VARIANTS = ("dense", "stem_1_3_device", "stem_1_3_host_lazy")
+VARIANTS = ("dense", "stem_1_3_device", "stem_1_3_host_lazy", "stem_1_3_resident_fit")
 
 
 @pytest.mark.slow
@@ -49,6 +49,17 @@ def test_benchmark_records_every_variant_on_the_cpu(tmp_path):
     assert host["stem"]["stem_cpu_adam_s"] > 0 and host["stem"]["stem_bytes_to_device"] > 0
     assert host["stem"]["stem_bytes_from_device"] > 0
     assert records["stem_1_3_device"]["stem"] == {} and records["dense"]["stem"] == {}
+    # the working set sized to the memory goal: the most rows whose plan (at the profile's distinct ids, which the
+    # run's own counts match) stays within 1.10x dense's; a step's rows fit in it
+    fit = records["stem_1_3_resident_fit"]
+    rows = json.loads((Path(fit["out_dir"]) / "config.json").read_text())["stem"]["resident_rows"]
+    assert fit["label"] == f"STEM-1/3 working set {rows:,}" and f"STEM-1/3 working set {rows:,}" in proc.stdout
+    micro, step = fit["distinct_ids"]
+    assert step < rows and fit["plan_device_bytes"] <= 1.10 * records["dense"]["plan_device_bytes"]
+    assert fit["stem"]["stem_bytes_to_device"] == 0  # the forward reads its rows from the set's slots
+    counted = [json.loads(line)["stem_unique_tokens"] / 2
+               for line in (Path(fit["out_dir"]) / "metrics.jsonl").read_text().splitlines()]
+    assert all(0.8 * micro <= c <= 1.2 * micro for c in counted), (counted, micro)
     # the printed table: one row per variant, under its header
     assert re.search(r"^dense\s+[\d.]+\s+[\d,]+\s+-\s+[\d.]+\s+[\d.]+\s+1\.00\s", proc.stdout, re.M), proc.stdout
     assert re.search(r"^STEM-1/3 host, lazy Adam\s+[\d.]+\s+[\d,]+\s+-\s+", proc.stdout, re.M), proc.stdout

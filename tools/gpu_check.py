@@ -7,11 +7,13 @@ what fits and say what it left:
 
 1. the ``gpu``-marked tests but the doctor's (tests/test_gpu.py): the CUDA-only paths, exact or not;
 2. ``benchmarks/gpu_step.py`` at 1B (32,768 tokens a step): dense, STEM-1/3 with a working set on the device
-   (``stem.resident_rows``, lazy Adam) and STEM-1/3 with host tables (lazy CPU Adam);
+   (``stem.resident_rows``, lazy Adam) of 16,384 rows and of the most rows whose memory plan stays within dense's
+   + 10% (8,947), and STEM-1/3 with host tables (lazy CPU Adam);
 3. ``benchmarks/stem_layer.py``: one STEM FFN against megatron's fused dense FFN at the 350M and 1B shapes;
-4. part 2 at 350M;
-5. the other variants at 1B, then at 350M: STEM-full with a working set and host tables, STEM-1/3 with the
-   recipe's dense Adam (working set, host tables), STEM-1/3 with device tables where the memory plan says they fit;
+4. part 2 at 350M, but the set sized to the memory goal (which the issue sets at 1B);
+5. the other variants at 1B, then at 350M (there the set within dense's + 10% first): STEM-full with a working set
+   and host tables, STEM-1/3 with the recipe's dense Adam (working set, host tables), STEM-1/3 with device tables
+   where the memory plan says they fit;
 6. ``stem-doctor --steps 5``: the environment, and the tiny model trained on the GPU against the CPU.
 
 A step run starts only with the time its estimate asks left (``RUN_S``), and a part runs as many of its variants
@@ -58,9 +60,13 @@ RUN_S = {"350M": 55, "1B": 75}
 RUN_CAP_S = 240  # one step run is stopped after this
 STEPS_START_S = 20  # a steps part's own start: imports, the GPU's properties, its corpus
 SUMMARY_S = 10  # kept back from the deadline for the summary
-HEADLINE = ("dense", "stem_1_3_resident_lazy", "stem_1_3_host_lazy")
-OTHERS = ("stem_full_resident_lazy", "stem_full_host", "stem_1_3_resident_dense", "stem_1_3_host_dense",
-          "stem_1_3_device")
+# by model: the step goals' runs, then the rest; the working set sized within dense's + 10% (the peak goal, which
+# the issue sets at 1B) runs in 1B's headline
+HEADLINE = {"1B": ("dense", "stem_1_3_resident_lazy", "stem_1_3_resident_fit", "stem_1_3_host_lazy"),
+            "350M": ("dense", "stem_1_3_resident_lazy", "stem_1_3_host_lazy")}
+REST = ("stem_full_resident_lazy", "stem_full_host", "stem_1_3_resident_dense", "stem_1_3_host_dense",
+        "stem_1_3_device")
+OTHERS = {"1B": REST, "350M": ("stem_1_3_resident_fit", *REST)}
 # the audits kept in OUT: the first of these runs that wrote them
 AUDITED = (("1B", "stem_1_3_resident_lazy"), ("350M", "stem_1_3_resident_lazy"), ("350M", "stem_1_3_host_lazy"))
 
@@ -85,11 +91,11 @@ class Part:
 
 PARTS = (
     Part("gpu tests", "tests", "gpu_tests.log", 150, 240),
-    Part("1B headline", "steps", "gpu_step.log", model="1B", variants=HEADLINE),
+    Part("1B headline", "steps", "gpu_step.log", model="1B", variants=HEADLINE["1B"]),
     Part("layer", "layer", "layer.log", 45, 120),
-    Part("350M headline", "steps", "gpu_step.log", model="350M", variants=HEADLINE),
-    Part("1B others", "steps", "gpu_step.log", model="1B", variants=OTHERS),
-    Part("350M others", "steps", "gpu_step.log", model="350M", variants=OTHERS),
+    Part("350M headline", "steps", "gpu_step.log", model="350M", variants=HEADLINE["350M"]),
+    Part("1B others", "steps", "gpu_step.log", model="1B", variants=OTHERS["1B"]),
+    Part("350M others", "steps", "gpu_step.log", model="350M", variants=OTHERS["350M"]),
     Part("stem-doctor", "doctor", "doctor.log", 90, 120),
 )
 
@@ -100,6 +106,12 @@ GOALS = (
     ("STEM-1/3 working set, lazy / dense", "350M", "stem_1_3_resident_lazy", "dense", "step_time_s", 1.00, 0.95),
     ("STEM-1/3 working set peak / dense peak", "1B", "stem_1_3_resident_lazy", "dense", "peak_memory_bytes", 1.10,
      None),
+    ("STEM-1/3 working set within dense + 10%, lazy / dense", "1B", "stem_1_3_resident_fit", "dense", "step_time_s",
+     1.00, 0.95),
+    ("STEM-1/3 working set within dense + 10%, peak / dense peak", "1B", "stem_1_3_resident_fit", "dense",
+     "peak_memory_bytes", 1.10, None),
+    ("STEM-1/3 working set within dense + 10%, lazy / dense", "350M", "stem_1_3_resident_fit", "dense",
+     "step_time_s", 1.00, 0.95),
     ("STEM-1/3 host, lazy Adam / dense", "1B", "stem_1_3_host_lazy", "dense", "step_time_s", 1.00, 0.95),
     ("STEM-1/3 host, lazy Adam / dense", "350M", "stem_1_3_host_lazy", "dense", "step_time_s", 1.00, 0.95),
     ("STEM-1/3 host peak / dense peak", "1B", "stem_1_3_host_lazy", "dense", "peak_memory_bytes", 1.10, None),

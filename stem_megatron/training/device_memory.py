@@ -30,12 +30,19 @@ def out_of_memory_in(error: BaseException) -> Optional[torch.OutOfMemoryError]:
     return None
 
 
-def planned_device_bytes(cfg: RunConfig, rank: int, world: int, per_node: int, gpu: bool) -> int:
-    """The plan's device bytes of ``rank``'s pipeline stage (ranks in megatron's order: TP, then DP, then PP)."""
+def run_layout(cfg: RunConfig, world: int, per_node: int, gpu: bool) -> Layout:
+    """The layout a run of ``world`` ranks, ``per_node`` a node, takes (its attention by whether TE is here)."""
     tp, pp = cfg.parallel.tensor_model_parallel_size, cfg.parallel.pipeline_model_parallel_size
-    layout = Layout(max(1, world // per_node), per_node, tp, pp, "gpu" if gpu else "cpu",
-                    transformer_engine=have_transformer_engine())  # its attention kernel decides the activations
-    stages = plan(cfg, layout)["stages"]
+    return Layout(max(1, world // per_node), per_node, tp, pp, "gpu" if gpu else "cpu",
+                  transformer_engine=have_transformer_engine())  # its attention kernel decides the activations
+
+
+def planned_device_bytes(cfg: RunConfig, rank: int, world: int, per_node: int, gpu: bool,
+                         distinct_ids: Optional[int] = None, step_distinct_ids: Optional[int] = None) -> int:
+    """The plan's device bytes of ``rank``'s pipeline stage (ranks in megatron's order: TP, then DP, then PP), at the
+    given distinct ids of a micro-batch and a step (default: their bounds)."""
+    pp = cfg.parallel.pipeline_model_parallel_size
+    stages = plan(cfg, run_layout(cfg, world, per_node, gpu), distinct_ids, step_distinct_ids)["stages"]
     return stages[min(rank // (world // pp), pp - 1)]["device_total"]
 
 
