@@ -101,8 +101,8 @@ class _Clock:
 def test_two_commands_in_one_lease_measure_everything_once_and_return_what_a_lease_can(tmp_path, monkeypatch):
     """main() with its parts stood in for (each takes its planned seconds and writes what its command would): the
     first command, with 570 s (docs/gpu.md's), runs the tests, 1B's headline and what else fits, and leaves the rest
-    with why; the
-    second (--resume) runs only the rest; OUT holds at most 8 files, and the summary every figure of both."""
+    with why; the second (--resume) runs only the rest; OUT holds at most 8 files, and the summary every figure of
+    both."""
     import json
 
     import gpu_check

@@ -157,8 +157,9 @@ def test_activations_of_a_token_count_do_not_grow_with_the_sequence():
         assert planned(1, 512, device) == planned(2, 256, device) > 0
 
 
-def _resident_plan(rows: int, **distinct) -> dict:
-    """1B STEM-1/3 on one GPU at gpu_step's batch (16 x 2048 tokens, micro-batch 2), lazy Adam, a set of ``rows``."""
+def _resident_plan(rows: int, **distinct) -> tuple[RunConfig, dict]:
+    """(the config, its plan's stage) of 1B STEM-1/3 on one GPU at gpu_step's batch (16 x 2048 tokens, micro-batch
+    2), lazy Adam, a set of ``rows``."""
     from stem_megatron.recipes import compose_run
 
     cfg = compose_run(["+experiment=pretrain_1b", "model.seq_length=2048", "train.global_batch_size=16",
