@@ -138,7 +138,7 @@ allocate = pinned.CudaCopies.pinned
 pinned.CudaCopies.pinned = staticmethod(lambda nbytes: pins.append(nbytes) or allocate(nbytes))
 draw = lambda step: torch.randint(0, V, (1, TOKENS), generator=torch.Generator().manual_seed(step))
 store.admit(torch.unique(draw(1)))
-moved = {"stem_rows_entered": 0, "stem_rows_entered_ahead": 0, "stem_rows_left": 0}
+moved = {"stem_rows_entered": 0, "stem_rows_entered_ahead": 0, "stem_rows_entered_staged": 0, "stem_rows_left": 0}
 busy = torch.randn(4096, 4096, device=device) if device.type == "cuda" else None
 ahead = None
 
@@ -174,13 +174,14 @@ print("no pinning", moved)
 
 
 def test_a_working_set_on_the_gpu_trains_its_rows_as_the_cpu_and_pins_nothing_after_it_is_built(gpu_env, tmp_path):
-    """A working set on the GPU whose rows enter (at the step's end, and ahead from another thread while the compute
-    stream is busy) and leave every step ends with the CPU run's tables and moments: the same rows updated the same
-    steps, torch's fused AdamW against DeepSpeed's kernel (the fused kernel run on the CPU over these 8 steps: masters
-    within 1.1e-8, moments within 2.9e-7 relative).
+    """A working set on the GPU whose rows enter (at the step's end, ahead from another thread while the compute
+    stream is busy, and staged by that thread for the step's end) and leave every step ends with the CPU run's tables
+    and moments: the same rows updated the same steps, torch's fused AdamW against DeepSpeed's kernel (the fused kernel
+    run on the CPU over these 8 steps: masters within 1.1e-8, moments within 2.9e-7 relative).
     A row loaded into the wrong slot, before its copy, or landed from a slot not yet updated differs by a whole
     update or more. And its pinned staging and landing buffers are reserved when the store is built
-    (``pinned.working_set_bytes``), so no step allocates pinned memory, which would synchronise the device."""
+    (``pinned.working_set_bytes``, ``pinned.staged_bytes``), so no step allocates pinned memory, which would synchronise
+    the device."""
     runs = {}
     for device in ("cpu", "cuda"):
         proc = _run(["-c", WORKING_SET, device, str(tmp_path / device)], gpu_env(), timeout=600)

@@ -46,7 +46,8 @@ def _train(tp, pp, optimizer, read_dtype, resident_rows, kernel=None):
     n_micro = GLOBAL // (MICRO * torch.distributed.get_world_size(store.dp_group))
     if kernel is not None:
         store.resident.kernel = kernel
-    out = {"loss": [], "grad_norm": [], "valid": [], "tables_mid": [], "entered": 0, "ahead": 0, "left": 0}
+    out = {"loss": [], "grad_norm": [], "valid": [], "tables_mid": [], "entered": 0, "ahead": 0, "staged": 0,
+           "left": 0}
     with with_rows(_data(STEPS), store, n_micro) as data:
         for step in range(1, STEPS + 1):
             result = train_step(trainer, data, n_micro, MICRO, MODEL.seq_length, MODEL.vocab_size)
@@ -56,6 +57,7 @@ def _train(tp, pp, optimizer, read_dtype, resident_rows, kernel=None):
             out["entered"] += stats.get("stem_rows_entered", 0)
             out["left"] += stats.get("stem_rows_left", 0)
             out["ahead"] += stats.get("stem_rows_entered_ahead", 0)
+            out["staged"] += stats.get("stem_rows_entered_staged", 0)
             if step in (3, 6):
                 out["tables_mid"].append({layer: store.table(layer) for layer in store.layers})
                 trainer.model.eval()
@@ -105,8 +107,9 @@ def test_working_set_trains_bitwise_like_the_host_step(case):
         if plain["tables"]:  # a stage with STEM layers: rows entered and left the set
             assert resident["entered"] > 0 and resident["left"] > 0, resident
             # lazy Adam: rows enter while the step before runs (the prefetch thread; at DP = 2 those the rank owns of
-            # its plan of the step); the recipe's dense Adam: at the step's end
-            assert (resident["ahead"] > 0) == (optimizer == "lazy"), resident
+            # its plan of the step), or are staged then (no slot free yet) and enter at its end; the recipe's dense
+            # Adam: at the step's end
+            assert (resident["ahead"] > 0) == (resident["staged"] > 0) == (optimizer == "lazy"), resident
 
 
 
@@ -143,6 +146,65 @@ def test_the_gpu_kernel_is_deepspeeds_update_within_fp32_rounding(dense):
         off = (fused[kind][1] - new).abs() / (eps * (old.abs() + (new - old).abs()))
         assert off.max() <= 4, f"{kind}: {off.max():.1f} eps"
         assert off.max() > 0, f"{kind}: bitwise equal: the fused kernel did not run"
+
+
+def _staged_run(staged_rows, switch_at=None):
+    """A lazy set of 40 slots, 2 layers of 200 rows, 10 steps of ~28 distinct ids each loaded ahead as the prefetch
+    thread does (``preload`` before the step before is updated; two steps read ~50 rows, so some find no slot then);
+    ``staged_rows``: the most rows a layer staged ahead (0: none). ``switch_at``: that step admits other ids than
+    the ones preloaded. Returns the slots' state and map after every step, the host record at the end, the counters."""
+    from stem_megatron.host_tables.row_adam import RowAdam
+    from stem_megatron.host_tables.staged_rows import StagedRows
+    from stem_megatron.host_tables.working_set import HostRows, WorkingSet
+
+    g = torch.Generator().manual_seed(5)
+    V, cols, layers = 200, 16, [1, 2]
+    master = {layer: torch.randn(V, cols, generator=g) for layer in layers}
+    zeros = lambda: {layer: torch.zeros(V, cols) for layer in layers}  # noqa: E731
+    host = HostRows(master, zeros(), zeros(), {layer: t.clone() for layer, t in master.items()},
+                    lambda ids: ids, lambda ids: ids)
+    ws = WorkingSet(layers, 40, V, cols, torch.device("cpu"), torch.float32, host, RowAdam((0.9, 0.95), 1e-8, 0.1),
+                    ahead=True)
+    ws.staged = StagedRows(layers, cols, staged_rows)
+    steps = [torch.unique(torch.randint(0, V, (30,), generator=g)) for _ in range(12)]
+    grads = [torch.randn(200, cols, generator=g) for _ in range(12)]
+    ws.admit(steps[0])
+    seen = []
+    for s in range(1, 11):
+        ws.preload(steps[s])
+        for layer in layers:
+            ws.update(s, 1e-2, layer, ws.running, grads[s][:ws.running.numel()] * layer, dense=False)
+        land = ws.admit(steps[11] if s == switch_at else steps[s])
+        if land is not None:
+            land()
+        state = {layer: {kind: t.clone() for kind, t in ws.state[layer].items()} for layer in layers}
+        seen.append((ws.slot_of.clone(), state))
+    ws.write_back()
+    return seen, host, ws.stats
+
+
+def test_rows_staged_ahead_enter_as_they_would_at_the_steps_end():
+    """Rows that find no slot while the step before runs are gathered then (``StagedRows``) and put in place at
+    ``admit``: every step's slots (map, masters, moments) and the host record at the end are bitwise those of a set
+    that gathers them at ``admit``, whether all fit the staging or only some, and where a step admits other ids than
+    the ones staged for it (the staging is then not used)."""
+    plains = {switch_at: _staged_run(0, switch_at) for switch_at in (None, 5)}
+    assert plains[None][2]["rows_entered_staged"] == 0
+    for staged_rows, switch_at in ((64, None), (3, None), (64, 5)):
+        seen, host, stats = _staged_run(staged_rows, switch_at)
+        plain, plain_host, plain_stats = plains[switch_at]
+        assert stats["rows_entered_staged"] > 0, stats
+        if staged_rows == 3:  # more rows than it stages: the rest are gathered at admit
+            assert stats["rows_entered"] - stats["rows_entered_ahead"] > stats["rows_entered_staged"], stats
+        assert stats["rows_entered"] == plain_stats["rows_entered"], (stats, plain_stats)
+        for step, ((slot_of, state), (plain_slot_of, plain_state)) in enumerate(zip(seen, plain), 1):
+            assert torch.equal(slot_of, plain_slot_of), step
+            for layer, kinds in plain_state.items():
+                for kind, value in kinds.items():
+                    assert torch.equal(state[layer][kind], value), (step, layer, kind)
+        for kind in ("master", "exp_avg", "exp_avg_sq"):
+            for layer, value in plain_host.kind(kind).items():
+                assert torch.equal(host.kind(kind)[layer], value), (kind, layer)
 
 
 @pytest.mark.slow

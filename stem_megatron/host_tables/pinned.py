@@ -2,11 +2,11 @@
 
 Fetched rows are gathered into pinned staging (``StagingPool``) and copied to the device on a side stream; a
 step's row gradients land in pinned buffers (``DeviceToHost``) on another side stream; a working set's entering and
-leaving rows pass through its own of both. All are allocated when the store is built, at the sizes the memory plan
-counts (``staging_bytes``, ``landing_rows``, ``working_set_bytes``; ``flops/memory.py`` uses the same functions),
-because pinning memory (``cudaHostAlloc``) is slow and synchronises the device: done in the middle of a step it
-would stall it. A request larger than planned (inference's batches, a store built without
-its batch sizes) grows its buffer once.
+leaving rows pass through its own of both, and its rows staged ahead through a buffer of their own. All are allocated
+when the store is built, at the sizes the memory plan counts (``staging_bytes``, ``landing_rows``,
+``working_set_bytes``, ``staged_bytes``; ``flops/memory.py`` uses the same functions), because pinning memory
+(``cudaHostAlloc``) is slow and synchronises the device: done in the middle of a step it would stall it. A request
+larger than planned (inference's batches, a store built without its batch sizes) grows its buffer once.
 
 ``CudaCopies`` is torch's side of it: a side stream, pinned allocations, events. Tests on a machine without a GPU
 pass a stand-in with the same methods whose copies run late on a thread of their own, as a copy engine's do.
@@ -153,6 +153,19 @@ def working_set_bytes(rows: int, cols: int, tokens: int) -> tuple[int, int]:
     (``tokens`` a micro-batch), and each of its leaving rows' landing buffers (one a layer and kind of state)."""
     slot = max(staging_bytes(3, rows, cols, 4, 0), staging_bytes(0, min(rows, tokens), cols, 0, tokens))
     return slot, rows * cols * 4
+
+
+def staged_rows(moving_rows: int, layers: int) -> int:
+    """The most entering rows a layer a working set stages ahead (``staged_rows.StagedRows``): its ``moving_rows``
+    spread over its ``layers``, so that their pinned state (fp32 master and both moments of every layer) takes as
+    many bytes as one of its staging slots."""
+    return moving_rows // max(1, layers)
+
+
+def staged_bytes(rows: int, layers: int, cols: int) -> int:
+    """The pinned bytes of ``rows`` rows staged ahead (``staged_rows.StagedRows``): every layer's fp32 master and
+    both moments."""
+    return layers * 3 * rows * cols * 4
 
 
 def landing_rows(ownership: RowOwnership, step_ids: int) -> int:

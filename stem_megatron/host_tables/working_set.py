@@ -13,7 +13,9 @@ estimate). With a working set (``stem.resident_rows``) every STEM layer keeps sl
 - the next step's ids are then admitted: rows not resident enter with their state from the host; rows leave (the
   least counted of those the next step does not read) when slots run short, and their state goes back to the host
   on a side stream, landed by the Adam thread beside the next step. With lazy Adam the entering rows are loaded
-  ahead, while the step before runs (``preload``, called by the prefetch thread as it announces a step).
+  ahead, while the step before runs (``preload``, called by the prefetch thread as it announces a step), and those
+  that find no free slot then are gathered then (``staged_rows.StagedRows``) and put in place at ``admit`` on the
+  side stream, each layer's first reader waiting for its own.
 
 The host tables stay the record of every row not resident; ``write_back`` makes them whole for a reader of the
 tables (``store.settle``: checkpoints, export, validation). The update keeps today's semantics (AdamW; lazy: bias
@@ -36,12 +38,12 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from stem_megatron.host_tables.pinned import DeviceToHost, landed, working_set_bytes
+from stem_megatron.host_tables.pinned import DeviceToHost, landed, staged_rows, working_set_bytes
 from stem_megatron.host_tables.row_adam import RowAdam
+from stem_megatron.host_tables.staged_rows import KINDS, StagedRows
 from stem_megatron.host_tables.transfer import Fetched, HostToDevice, PrefetchedRows, positions_in_step
 from stem_megatron.model.stem_rows import RowOrder
 
-KINDS = ("master", "exp_avg", "exp_avg_sq")
 GROWTH = 1.25  # a set too small for a step's distinct ids grows by at least this factor
 
 
@@ -72,7 +74,8 @@ class WorkingSet:
         (DeepSpeed's, on CPU) or ``fused`` (torch's fused AdamW, on GPU); default by device. ``ahead``: entering
         rows load during the step before theirs (``preload``; lazy Adam only, where a row not resident is final).
         ``moving_rows``: the most rows that enter or leave at once (at most a step's, or the capacity), whose pinned
-        staging and landing are reserved here (GPU; ``tokens``: a micro-batch's, whose indices a fetch stages)."""
+        staging and landing are reserved here (GPU; ``tokens``: a micro-batch's, whose indices a fetch stages), and
+        the rows staged ahead's (``pinned.staged_rows``; 0: by the capacity)."""
         self.layers, self.cols, self.device, self.travel = layers, cols, device, travel
         self.host, self.adam = host, adam
         self.kernel = kernel or ("fused" if device.type == "cuda" else "rows")
@@ -89,6 +92,9 @@ class WorkingSet:
             for kind in KINDS:
                 self.d2h.reserve((layer, kind), landing)
         self.ahead = ahead
+        rows = staged_rows(moving_rows or capacity, len(layers)) if ahead else 0
+        self.staged = StagedRows(layers, cols, rows, self.h2d.copies)
+        self._arriving: dict[int, torch.cuda.Event] = {}  # (GPU) layer -> the end of its staged rows' put
         self.running = torch.empty(0, dtype=torch.int64)  # the ids of the step now running (the last admitted)
         self._lock = threading.Lock()  # the slot map: ``admit`` (training thread) and ``preload`` (prefetch thread)
         self._landed = threading.Event()  # the rows that left at the last ``admit`` are on the host again
@@ -100,9 +106,10 @@ class WorkingSet:
 
     @staticmethod
     def new_stats() -> dict:
-        """Rows (a layer each) that entered and left; seconds the training thread spent in the slots' AdamW (on GPU
-        issuing it; on CPU running it: work the device does on a GPU)."""
-        return dict(rows_entered=0, rows_entered_ahead=0, rows_left=0, resident_update_s=0.0)
+        """Rows (a layer each) that entered (of them: ahead; at the step's end from ``StagedRows``) and left;
+        seconds the training thread spent in the slots' AdamW (on GPU issuing it; on CPU running it: work the device
+        does on a GPU)."""
+        return dict(rows_entered=0, rows_entered_ahead=0, rows_entered_staged=0, rows_left=0, resident_update_s=0.0)
 
     @property
     def capacity(self) -> int:
@@ -143,6 +150,7 @@ class WorkingSet:
 
     def rows(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
         """``layer``'s rows at ``slots`` in the travel dtype: the masters rounded as the host copies a fetch reads."""
+        self._arrived(layer)
         rows = self.state[layer]["master"].index_select(0, slots)
         return rows if self.travel == torch.float32 else rows.to(self.travel)
 
@@ -154,6 +162,7 @@ class WorkingSet:
     def update(self, step: int, lr: float, layer: int, ids: torch.Tensor, grads: torch.Tensor, dense: bool) -> None:
         """AdamW on ``layer``'s slots of ``ids`` (sorted) with ``grads`` (``[len(ids), cols]``, on the device);
         ``dense``: every other resident slot too, with a zero gradient."""
+        self._arrived(layer)
         state, slots = self.state[layer], self.slot_of[ids]
         others = torch.empty(0, dtype=torch.int64)
         if dense:
@@ -195,6 +204,7 @@ class WorkingSet:
             if self.device.type == "cuda" and self._loaded is not None:
                 torch.cuda.current_stream().wait_event(self._loaded)
                 self._loaded = None
+            self._arrived()
             self.counts[ids] += 1
             entering = self.outside(ids)
             free = (self.ids < 0).nonzero().squeeze(1)
@@ -208,7 +218,13 @@ class WorkingSet:
                 if short > 0:
                     land = self._evict(self._leaving(spare, short))
                 free = (self.ids < 0).nonzero().squeeze(1)
-            self._load(entering, free[:entering.numel()])
+            slots, staged = free[:entering.numel()], self.staged.take(entering)
+            if staged is None:
+                self._load(entering, slots)
+            else:
+                mask, rows = staged
+                self._load(entering[~mask], slots[~mask])
+                self._enter_staged(entering[mask], slots[mask], rows)
             self.running = ids
             if self.device.type == "cuda":  # after this step's updates and the set as admit left it (grown, loaded)
                 self._updated = torch.cuda.current_stream().record_event()
@@ -218,8 +234,8 @@ class WorkingSet:
         """(prefetch thread, as it announces a step) With ``ahead``: the state of the announced step's rows that
         are not resident, loaded into free slots while the step before runs, on the side stream. Exact with lazy
         Adam: that step updates its own rows only, and neither they nor their slots are touched here. Room is made
-        from rows neither step reads (their state is final, landed here); what does not fit is left to
-        ``admit``."""
+        from rows neither step reads (their state is final, landed here); the state of those that still find no
+        slot is staged (``StagedRows``, as many as it holds) for ``admit`` to put in place, the rest left to it."""
         if not self.ahead:
             return
         self._landed.wait()  # rows that left at the last admit: on the host before any of them is read again
@@ -236,9 +252,10 @@ class WorkingSet:
                 if leaving:
                     self._evict(self._leaving(spare, leaving), ahead=True)()
                 free = (self.ids < 0).nonzero().squeeze(1)
-                entering = entering[:free.numel()]
+            late, entering = entering[free.numel():], entering[:free.numel()]
             self._load(entering, free[:entering.numel()], ahead=True)
             self.stats["rows_entered_ahead"] += entering.numel() * len(self.layers)
+            self.staged.stage(late, self.host)
 
     def _spare(self, keep: torch.Tensor) -> torch.Tensor:
         """Slots of resident rows not among ``keep``."""
@@ -259,6 +276,8 @@ class WorkingSet:
             return contextlib.nullcontext()
         if self._updated is not None:
             copies.side.wait_event(self._updated)
+        for arrival in list(self._arriving.values()):  # staged rows still being put in place
+            copies.side.wait_event(arrival)
         return copies.stream()
 
     def _load(self, ids: torch.Tensor, slots: torch.Tensor, ahead: bool = False) -> None:
@@ -287,6 +306,37 @@ class WorkingSet:
         self.slot_of[ids] = slots
         self.ids[slots] = ids
         self.stats["rows_entered"] += ids.numel() * len(self.layers)
+
+    def _enter_staged(self, ids: torch.Tensor, slots: torch.Tensor, rows: dict[int, dict[str, torch.Tensor]]) -> None:
+        """Staged rows ``ids`` (``StagedRows.take``'s ``rows``) into ``slots``. On GPU copied and put in place on the
+        side stream after the compute stream's work so far (the slots' update, the leaving rows' gather), each
+        layer's end recorded for its first reader (``_arrived``): the compute stream goes on meanwhile."""
+        if not ids.numel():
+            return
+        copies = self.h2d.copies
+        if copies is None:
+            for layer in self.layers:
+                self._put(layer, slots, rows[layer])
+        else:
+            copies.side.wait_stream(torch.cuda.current_stream())
+            with self.h2d.transfer() as send:  # on the side stream; the slots through its staging
+                at = send.copy(slots)
+                for layer in self.layers:
+                    self._put(layer, at, {kind: copies.to_device(value) for kind, value in rows[layer].items()})
+                    self._arriving[layer] = copies.record()
+            self.staged.copied = send.ready
+        self.slot_of[ids] = slots
+        self.ids[slots] = ids
+        self.stats["rows_entered"] += ids.numel() * len(self.layers)
+        self.stats["rows_entered_staged"] += ids.numel() * len(self.layers)
+
+    def _arrived(self, layer: Optional[int] = None) -> None:
+        """The compute stream waits for the staged rows ``_enter_staged`` put in place: ``layer``'s, or every
+        layer's (GPU; nothing pending on CPU)."""
+        for key in [layer] if layer is not None else list(self._arriving):
+            arrival = self._arriving.pop(key, None)
+            if arrival is not None:
+                torch.cuda.current_stream().wait_event(arrival)
 
     def _put(self, layer: int, at: torch.Tensor, rows: dict[str, torch.Tensor]) -> None:
         for kind, value in rows.items():
@@ -319,6 +369,7 @@ class WorkingSet:
         with self._lock:
             if self._loaded is not None:
                 torch.cuda.current_stream().wait_event(self._loaded)
+            self._arrived()
             slots = (self.ids >= 0).nonzero().squeeze(1)
             at, ids = slots.to(self.device), self.ids[slots]
             for layer in self.layers if slots.numel() else ():
@@ -337,4 +388,5 @@ class WorkingSet:
         with self._lock:
             self.slot_of.fill_(-1)
             self.ids.fill_(-1)
+            self.staged.drop()
             self.running = torch.empty(0, dtype=torch.int64)
