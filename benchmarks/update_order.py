@@ -13,7 +13,8 @@ set, ``held`` splits into the slots' AdamW (``update s``: on a GPU a device kern
 docs/gpu_step_v2.md, here DeepSpeed's kernel on these cores) and the host's part (``host s``: admitting the next
 step's rows, the dense decay of entering rows): what would stay on the path on a GPU. During the "device step" the
 working set loads the step after's entering rows ahead (``store.plan_ahead``, ``store.preload``, lazy Adam), as the
-prefetch thread does; ``at end`` counts the rows that still entered at the step's end, on the path. ``--nodes N``
+prefetch thread does; ``at end`` counts the rows that still entered at the step's end, on the path, and ``staged``
+those of them whose state that thread gathered ahead (``StagedRows``: only their put in place is left). ``--nodes N``
 runs N processes as N emulated nodes (one DP rank each, ``--tokens`` each; rank 0's figures): the host step then
 also pulls the rows other nodes updated, and a working set holds the rows its rank owns and sends them back to the
 ranks that read them; ``MB sent`` is what rank 0 sent a step (row gradients, rows, ids); ``back s``, of ``host s``,
@@ -96,6 +97,7 @@ def _steps(p: np.ndarray, args, rank: int, optimizer: str, overlap: bool, reside
                             rows=stats["stem_node_rows_updated"], beside=stats["stem_cpu_adam_overlapped_s"],
                             wait=stats["stem_adam_wait_s"], update=stats.get("stem_resident_update_s", 0.0),
                             entered=stats.get("stem_rows_entered", 0) - stats.get("stem_rows_entered_ahead", 0),
+                            staged=stats.get("stem_rows_entered_staged", 0),
                             sent=stats["stem_bytes_sent"], back=stats.get("stem_receive_s", 0.0)))
     store.settle()
     del store
@@ -131,7 +133,7 @@ def main(argv=None) -> None:
           f"{args.device_step} s, {args.nodes} node(s); medians of {args.repeats} x {args.steps - 1} steps")
     print(f"{'optimizer':9} {'order':16} {'held s':>8} {'vs serial':>9} {'beside s':>9} {'wait s':>7} "
           f"{'rows/step':>10} {'not read next':>13} {'MB sent':>8} {'update s':>9} {'host s':>7} {'back s':>7} "
-          f"{'at end':>8}")
+          f"{'at end':>8} {'staged':>7}")
     arms = {"serial": (False, 0), "next-use first": (True, 0)}
     if args.resident:
         arms["working set"] = (True, args.resident)
@@ -151,7 +153,8 @@ def main(argv=None) -> None:
             split = (f" {statistics.median(r['update'] for r in records):9.3f} "
                      f"{statistics.median(r['held'] - r['update'] for r in records):7.3f} "
                      f"{statistics.median(r['back'] for r in records):7.3f} "
-                     f"{statistics.median(r['entered'] for r in records):8,.0f}") if resident else ""
+                     f"{statistics.median(r['entered'] for r in records):8,.0f} "
+                     f"{statistics.median(r['staged'] for r in records):7,.0f}") if resident else ""
             print(f"{optimizer:9} {arm:16} {held:8.3f} {held / serial:8.2f}x "
                   f"{statistics.median(r['beside'] for r in records):9.3f} "
                   f"{statistics.median(r['wait'] for r in records):7.3f} {rows:10,.0f} {later:12.0%} "
