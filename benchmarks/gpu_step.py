@@ -120,7 +120,9 @@ SHAPES = {
                     global_batch=16, steps=8, warmup=3),
 }
 STEM_PARTS = ("stem_prefetch_wait_s", "stem_cpu_adam_s", "stem_adam_wait_s", "stem_exchange_wait_s",
-              "stem_bytes_to_device", "stem_bytes_from_device", "stem_device_row_bytes_peak")
+              "stem_bytes_to_device", "stem_bytes_from_device", "stem_device_row_bytes_peak",
+              # a working set's rows a step (each layer counted): entered, of them ahead and staged (records only)
+              "stem_rows_entered", "stem_rows_entered_ahead", "stem_rows_entered_staged")
 
 
 @dataclass
