@@ -31,31 +31,30 @@ class StagedRows:
 
     def __init__(self, layers: list[int], cols: int, rows: int, copies=None):
         """``copies``: the set's ``pinned.CudaCopies`` (GPU: the buffer is pinned now), None on CPU."""
-        self.layers, self.cols, self.rows, self.copies = layers, cols, rows, copies
+        self.layers, self.cols, self.rows = layers, cols, rows
         nbytes = staged_bytes(rows, len(layers), cols)
         self._buffer = copies.pinned(nbytes) if copies is not None else torch.empty(nbytes, dtype=torch.uint8)
         self.ids: Optional[torch.Tensor] = None  # the staged ids (sorted); None: nothing staged
         self._state: Optional[torch.Tensor] = None  # [layers, kinds, len(ids), cols] fp32 view of the buffer
         self.copied: Optional[torch.cuda.Event] = None  # (GPU) the last copies out of the buffer end here
 
-    def stage(self, ids: torch.Tensor, host) -> int:
+    def stage(self, ids: torch.Tensor, host) -> None:
         """The state of the first ``rows`` of the sorted ``ids`` (not resident) from the ``host`` record
-        (``working_set.HostRows``), in place of anything staged before. Returns how many rows it staged."""
+        (``working_set.HostRows``), in place of anything staged before."""
         self.ids = self._state = None
         ids = ids[:self.rows]
         if not ids.numel():
-            return 0
+            return
         if self.copied is not None:  # the last take's copies read the buffer: they end before it is written again
             self.copied.synchronize()
             self.copied = None
         shape = (len(self.layers), len(KINDS), ids.numel(), self.cols)
-        state = self._buffer[:4 * shape[0] * shape[1] * shape[2] * shape[3]].view(torch.float32).view(shape)
+        state = self._buffer[:4 * torch.Size(shape).numel()].view(torch.float32).view(shape)
         local = host.local(ids)
         for i, layer in enumerate(self.layers):
             for j, kind in enumerate(KINDS):
                 torch.index_select(host.kind(kind)[layer], 0, local, out=state[i, j])
         self.ids, self._state = ids, state
-        return ids.numel()
 
     def take(self, entering: torch.Tensor) -> Optional[tuple[torch.Tensor, dict[int, dict[str, torch.Tensor]]]]:
         """The staged rows of the sorted ``entering`` ids: (a mask over ``entering``, ``{layer: {kind: rows}}`` in
