@@ -164,3 +164,30 @@ def test_bad_grad_rows_raise_and_leave_tables_alone(adam):
         adam.update_rows(1, 1e-3, torch.tensor([1, 2]), torch.ones(2, 128), *lazy, grad_rows=torch.tensor([0]))
     for got, old in zip(lazy, before):
         assert torch.equal(got, old)
+
+
+def test_flags_are_detected_once_a_kind_of_cpu_and_are_deepspeeds(adam, tmp_path):
+    """DeepSpeed's flag detection runs once for this CPU, and what is kept is what it detects (the op built with
+    them is found built, not rebuilt); a damaged file is detected anew, another CPU's entry stays."""
+    import json
+
+    from deepspeed.ops.op_builder import CPUAdamBuilder
+
+    from stem_megatron.host_tables import row_adam
+
+    kept = json.loads((row_adam._extensions_root() / "stem_row_adam_cxx_args.json").read_text())
+    assert kept[row_adam._cpu_key()] == CPUAdamBuilder().cxx_args()  # the fixture's op loaded with them
+    flags, calls = ["-march=native", "-D__AVX256__"], []
+
+    def detect():
+        calls.append(1)
+        return flags
+
+    path = tmp_path / "stem_row_adam_cxx_args.json"
+    path.write_text("{not json")
+    assert row_adam.cached_cxx_args(tmp_path, detect) == flags and len(calls) == 1
+    assert row_adam.cached_cxx_args(tmp_path, detect) == flags and len(calls) == 1  # not detected again
+    other = {"another cpu": ["-mcpu=native"]}
+    path.write_text(json.dumps(other))
+    assert row_adam.cached_cxx_args(tmp_path, detect) == flags and len(calls) == 2
+    assert json.loads(path.read_text()) == {**other, row_adam._cpu_key(): flags}

@@ -9,8 +9,12 @@ decay, weight decay applies to all rows), at a cost that grows with V instead of
 
 from __future__ import annotations
 
+import hashlib
 import itertools
+import json
 import os
+import platform
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -38,7 +42,53 @@ def _kernel():
         def include_paths(self):
             return ["csrc/includes", "csrc/adam"]
 
+        def cxx_args(self):
+            return cached_cxx_args(_extensions_root(), super().cxx_args)
+
     return RowAdamBuilder().load()
+
+
+def _extensions_root() -> Path:
+    from torch.utils.cpp_extension import get_default_build_root
+
+    return Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root())
+
+
+def _cpu_key() -> str | None:
+    """What DeepSpeed's flags are chosen from: the architecture and the CPU's feature flags (x86 ``flags``, Arm
+    ``Features`` in /proc/cpuinfo), with DeepSpeed's version; None where /proc/cpuinfo does not say."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return None
+    features = sorted({line for line in lines if line.partition(":")[0].strip() in ("flags", "Features")})
+    if not features:
+        return None
+    import deepspeed
+
+    return hashlib.sha256("\n".join([platform.machine(), deepspeed.__version__, *features]).encode()).hexdigest()[:16]
+
+
+def cached_cxx_args(root: Path, detect: Callable[[], list[str]]) -> list[str]:
+    """DeepSpeed's compiler flags for this kind of CPU (``detect``), detected once and kept in ``root``. Its
+    detection (py-cpuinfo) times the clock in a child Python, twice: ~2.4 s of CPU in every process that loads
+    the op, on every rank of every launch. The flags are the same list either way, so torch finds the op
+    built and does not rebuild it; another kind of CPU (a cluster's other partition) gets an entry of its own."""
+    key = _cpu_key()
+    if key is None:
+        return detect()
+    path = root / "stem_row_adam_cxx_args.json"
+    try:
+        known = json.loads(path.read_text())
+    except (OSError, ValueError):
+        known = {}
+    if key not in known:
+        known[key] = detect()
+        root.mkdir(parents=True, exist_ok=True)
+        part = path.with_name(f"{path.name}.{os.getpid()}")  # ranks starting together each write whole files
+        part.write_text(json.dumps(known, indent=1))
+        part.replace(path)
+    return list(known[key])
 
 
 class RowAdam:
