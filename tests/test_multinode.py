@@ -124,9 +124,11 @@ def test_owners_working_sets_on_two_nodes_train_bitwise_like_the_host_step(corpu
     reversed (rail, then node). Against the host step at the same layout, with a validation pass and a checkpoint
     at step 3 (both read the host copies: written back, pulled across nodes), where the run stops and resumes:
     steps, losses, grad norms, validation losses and every exported weight bitwise equal. The collective audit of
-    step 2: one order on every rank; from the main thread but for the prefetch thread's plan of step 3, on groups no
-    other thread uses; the rows' way back is the main thread's last two collectives, the gradients' two levels
-    reversed, and no refresh of the host copies (its node barrier) remains."""
+    step 2: the host step's as test_every_rank_issues_the_step_collectives_in_one_order checks it (megatron's DP
+    reduction after backward); with working sets one order on every rank, from the main thread but for the
+    prefetch thread's plan of step 3, on groups no other thread uses; the rows' way back is the main thread's last
+    two collectives, the gradients' two levels reversed, and no refresh of the host copies (its node barrier)
+    remains."""
     batch = ("train.global_batch_size=8", "stem.optimizer=lazy", "train.eval_interval=3", "train.eval_iters=1",
              "checkpoint.save_interval=3", "logging.collective_audit=2")
     host, host_weights = _run(corpus, tmp_path / "0", "dp2", 2, 2, *batch, "stem.resident_rows=0")
@@ -142,9 +144,8 @@ def test_owners_working_sets_on_two_nodes_train_bitwise_like_the_host_step(corpu
     assert weights.keys() == host_weights.keys() and any(".U_l." in name for name in weights)
     assert all(torch.equal(weights[n], host_weights[n]) for n in host_weights)
     audits = {rows: json.loads((tmp_path / str(rows) / "collective_audit_step2.json").read_text()) for rows in (0, 8)}
-    for audit in audits.values():
-        assert audit["divergence"] is None, audit["summary"]
-    assert set(audits[0]["threads"]) == {"MainThread"}, audits[0]["threads"]
+    _assert_one_order(audits[0], 4, overlap=False)
+    assert audits[8]["divergence"] is None, audits[8]["summary"]
     assert set(audits[8]["threads"]) <= {"MainThread", "stem-prefetch"}, audits[8]["threads"]
     for every in audits[8]["calls"].values():  # gradients out: node, then rail; rows back, last: rail, then node
         calls = [c for c in every if c["thread"] == "MainThread"]
@@ -159,22 +160,26 @@ def test_owners_working_sets_on_two_nodes_train_bitwise_like_the_host_step(corpu
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("parallel,nnodes,nproc,overlap", [("tp2", 1, 4, True), ("dp2", 2, 2, False)])
-def test_every_rank_issues_the_step_collectives_in_one_order(corpus, tmp_path, parallel, nnodes, nproc, overlap):
-    """DP=2 x TP=2 on one node, and 2 nodes x 2 DP peers (the row exchange's node and rail levels): the collective
-    audit of a step (``logging.collective_audit``) records every collective of every rank, on gloo as on NCCL,
-    with its thread and group. Every pair of ranks issues the collectives of the groups it shares in one order
-    (NCCL hangs where two ranks interleave them differently), the row exchange's all-to-alls among them, and no
-    collective comes from a side thread. On one node megatron's DP communication is overlapped too, in buckets of
-    5,000 elements: each bucket's reduce-scatter goes out from backward, between the layers' row exchanges, and
-    the weights' all-gathers from the step's forward, before any reduction."""
-    settings = ("parallel.overlap_grad_reduce=true", "parallel.overlap_param_gather=true",
-                "parallel.ddp_bucket_size=5000") if overlap else ()
-    _run(corpus, tmp_path, parallel, nnodes, nproc, "train.global_batch_size=8", "logging.collective_audit=2",
-         "checkpoint.save=false", *settings, export=False)
-    audit = json.loads((tmp_path / "collective_audit_step2.json").read_text())
+def test_every_rank_issues_the_step_collectives_in_one_order(corpus, tmp_path):
+    """DP=2 x TP=2 on one node (2 nodes x 2 DP peers: the owners test checks its host step's audit alike): the
+    collective audit of a step (``logging.collective_audit``) records every collective of every rank, on gloo as
+    on NCCL, with its thread and group. Every pair of ranks issues the collectives of the groups it shares in one
+    order (NCCL hangs where two ranks interleave them differently), the row exchange's all-to-alls among them, and
+    no collective comes from a side thread. Megatron's DP communication is overlapped too, in buckets of 5,000
+    elements: each bucket's reduce-scatter goes out from backward, between the layers' row exchanges, and the
+    weights' all-gathers from the step's forward, before any reduction."""
+    _run(corpus, tmp_path, "tp2", 1, 4, "train.global_batch_size=8", "logging.collective_audit=2",
+         "checkpoint.save=false", "parallel.overlap_grad_reduce=true", "parallel.overlap_param_gather=true",
+         "parallel.ddp_bucket_size=5000", export=False)
+    _assert_one_order(json.loads((tmp_path / "collective_audit_step2.json").read_text()), 4, overlap=True)
+
+
+def _assert_one_order(audit: dict, ranks: int, overlap: bool) -> None:
+    """A step's audit: no divergence between ranks, all from the main thread, the rows sent to their owners, and
+    megatron's DP reduction either overlapped with backward (buckets' reduce-scatters between the row exchanges,
+    after the forward's all-gathers) or after it (one reduce-scatter, then the all-gathers)."""
     assert audit["divergence"] is None, audit["summary"]
-    assert len(audit["calls"]) == nnodes * nproc
+    assert len(audit["calls"]) == ranks
     assert set(audit["threads"]) == {"MainThread"}, audit["threads"]
     for calls in audit["calls"].values():
         reductions = [i for i, c in enumerate(calls) if c["op"].startswith("reduce_scatter")]
