@@ -201,15 +201,25 @@ def _damage(checkpoint: Path, how: str) -> str:
     return "CRC32"
 
 
+DAMAGED = ["stem.placement=host", "model.num_layers=2", "checkpoint.fallback=false"]
+
+
+@pytest.fixture(scope="module")
+def saved_run(corpus, tmp_path_factory):
+    """A run that saved after step 3, trained once for every kind of damage done to copies of it."""
+    out = tmp_path_factory.mktemp("saved") / "run"
+    _train(corpus, out, *DAMAGED, nproc=1, parallel="single", steps=3)
+    return out
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("how", ["truncate", "flip"])
-def test_damaged_checkpoint_is_reported_and_not_loaded(corpus, tmp_path, how):
+def test_damaged_checkpoint_is_reported_and_not_loaded(corpus, saved_run, tmp_path, how):
     """checkpoint.fallback=false: a damaged checkpoint stops the run, naming the file and the damage."""
     out = tmp_path / "run"
-    common = ["stem.placement=host", "model.num_layers=2", "checkpoint.fallback=false"]
-    _train(corpus, out, *common, nproc=1, parallel="single", steps=3)
+    shutil.copytree(saved_run, out)
     expected = _damage(out / "checkpoints" / "step_000003", how)
-    proc = _train(corpus, out, *common, nproc=1, parallel="single", steps=6, check=False)
+    proc = _train(corpus, out, *DAMAGED, nproc=1, parallel="single", steps=6, check=False)
     assert proc.returncode == 1 and "stem_megatron/" not in proc.stderr, proc.stderr[-3000:]  # no traceback of ours
     assert f"error: checkpoint {out / 'checkpoints' / 'step_000003'} is damaged" in proc.stderr
     assert expected in proc.stderr and ".distcp" in proc.stderr
