@@ -32,6 +32,18 @@ def _train(corpus, out_dir, *overrides, nproc=2, parallel="tp2", steps=20, check
     return proc
 
 
+def _as_if_stopped_after(run: Path, step: int, copy: Path) -> None:
+    """``copy``: ``run`` as a run stopped after its save at ``step`` would have left it (its later checkpoints and
+    its export gone, ``latest`` naming ``step``); the later metrics stay, as a stopped run's would if it had got
+    further: the resumed run drops them. Saves each test a launch that repeats the straight run's first steps."""
+    shutil.copytree(run, copy, ignore=shutil.ignore_patterns("export"))
+    root = copy / "checkpoints"
+    for later in root.glob("step_*"):
+        if int(later.name.removeprefix("step_")) > step:
+            shutil.rmtree(later)
+    (root / "latest").write_text(f"step_{step:06d}\n")
+
+
 def _metrics(out_dir):
     return [json.loads(line) for line in (Path(out_dir) / "metrics.jsonl").read_text().splitlines()]
 
@@ -84,9 +96,10 @@ def test_resume_under_another_layout(corpus, tmp_path, saved, resumed, nproc, la
     (host tables split into TP column blocks), continue the same trajectory: losses and every weight and
     table row within 1e-4."""
     common = ["stem.placement=host", f"model.num_layers={layers}", "checkpoint.export=${out_dir}/export"]
-    _train(corpus, tmp_path / "straight", *common, parallel=saved)
-    _train(corpus, tmp_path / "resumed", *common, "train.exit_after_steps=10", parallel=saved)
-    _train(corpus, tmp_path / "resumed", *common, nproc=nproc, parallel=resumed)
+    _train(corpus, tmp_path / "straight", *common, "checkpoint.save_interval=10", parallel=saved)
+    _as_if_stopped_after(tmp_path / "straight", 10, tmp_path / "resumed")
+    proc = _train(corpus, tmp_path / "resumed", *common, nproc=nproc, parallel=resumed)
+    assert "step_000010 after step 10" in proc.stdout  # continued, not started afresh at the new layout
     _assert_same_run(tmp_path / "straight", tmp_path / "resumed", exact=False)
 
 
@@ -234,7 +247,7 @@ def test_damaged_newest_checkpoint_falls_back_to_the_newest_intact_one(corpus, t
     straight = tmp_path / "straight"
     _train(corpus, straight, *common, nproc=1, parallel="single", steps=6)
     out = tmp_path / "run"
-    _train(corpus, out, *common, "train.exit_after_steps=4", nproc=1, parallel="single", steps=6)
+    _as_if_stopped_after(straight, 4, out)
     _damage(out / "checkpoints" / "step_000004", "flip")
     proc = _train(corpus, out, *common, nproc=1, parallel="single", steps=6)
     assert f"checkpoint {out / 'checkpoints' / 'step_000004'} is damaged" in proc.stderr
