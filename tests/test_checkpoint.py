@@ -33,9 +33,9 @@ def _train(corpus, out_dir, *overrides, nproc=2, parallel="tp2", steps=20, check
 
 
 def _as_if_stopped_after(run: Path, step: int, copy: Path) -> None:
-    """``copy``: ``run`` as a run stopped after its save at ``step`` would have left it (its later checkpoints and
-    its export gone, ``latest`` naming ``step``); the later metrics stay, as a stopped run's would if it had got
-    further: the resumed run drops them. Saves each test a launch that repeats the straight run's first steps."""
+    """``copy``: ``run`` as a run stopped after its save at ``step`` would have left it (no later checkpoint, no
+    export, ``latest`` naming ``step``). Its later metrics stay: a resumed run drops those after its checkpoint.
+    Saves a test the launch that would repeat the straight run's first steps."""
     shutil.copytree(run, copy, ignore=shutil.ignore_patterns("export"))
     root = copy / "checkpoints"
     for later in root.glob("step_*"):
