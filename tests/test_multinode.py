@@ -118,29 +118,34 @@ def test_adam_beside_the_next_step_changes_nothing(corpus, tmp_path, nnodes, npr
 
 
 @pytest.mark.slow
-def test_owners_working_sets_on_two_nodes_train_bitwise_like_the_host_step(corpus, tmp_path):
+@pytest.mark.parametrize("optimizer", ["lazy", "dense"])
+def test_owners_working_sets_on_two_nodes_train_bitwise_like_the_host_step(corpus, tmp_path, optimizer):
     """2 nodes x 2 DP peers with working sets (``stem.resident_rows``): each rank's set holds the rows it owns that
     the group reads, updates them with every rank's gradients and sends them back along the exchange's routes
     reversed (rail, then node). Against the host step at the same layout, with a validation pass and a checkpoint
-    at step 3 (both read the host copies: written back, pulled across nodes), where the run stops and resumes:
-    steps, losses, grad norms, validation losses and every exported weight bitwise equal. The collective audit of
-    step 2: the host step's as test_every_rank_issues_the_step_collectives_in_one_order checks it (megatron's DP
-    reduction after backward); with working sets one order on every rank, from the main thread but for the
-    prefetch thread's plan of step 3, on groups no other thread uses; the rows' way back is the main thread's last
-    two collectives, the gradients' two levels reversed, and no refresh of the host copies (its node barrier)
-    remains."""
-    batch = ("train.global_batch_size=8", "stem.optimizer=lazy", "train.eval_interval=3", "train.eval_iters=1",
-             "checkpoint.save_interval=3", "logging.collective_audit=2")
+    at step 3 (both read the host copies: written back, pulled across nodes), where the lazy run stops and resumes
+    (the recipe's dense Adam runs straight through): steps, losses, grad norms, validation losses and every exported
+    weight bitwise equal. The collective audit of step 2: the host step's as
+    test_every_rank_issues_the_step_collectives_in_one_order checks it (megatron's DP reduction after backward);
+    with working sets one order on every rank, from the main thread but for the prefetch thread's plan of step 3,
+    on groups no other thread uses; the rows' way back is the main thread's last two collectives, the gradients'
+    two levels reversed, and no refresh of the host copies (its node barrier) remains."""
+    batch = ("train.global_batch_size=8", f"stem.optimizer={optimizer}", "train.eval_interval=3",
+             "train.eval_iters=1", "checkpoint.save_interval=3", "logging.collective_audit=2")
     host, host_weights = _run(corpus, tmp_path / "0", "dp2", 2, 2, *batch, "stem.resident_rows=0")
-    first, _ = _run(corpus, tmp_path / "8", "dp2", 2, 2, *batch, "stem.resident_rows=8", "train.exit_after_steps=3",
-                    export=False)
-    assert [r["step"] for r in first] == [1, 2, 3]
+    if optimizer == "lazy":
+        first, _ = _run(corpus, tmp_path / "8", "dp2", 2, 2, *batch, "stem.resident_rows=8",
+                        "train.exit_after_steps=3", export=False)
+        assert [r["step"] for r in first] == [1, 2, 3]
     resident, weights = _run(corpus, tmp_path / "8", "dp2", 2, 2, *batch, "stem.resident_rows=8")
     keys = ("step", "loss", "grad_norm", "valid_loss")
     assert [[r.get(k) for k in keys] for r in resident] == [[r.get(k) for k in keys] for r in host]
     assert sum("valid_loss" in r for r in host) == 2
     assert sum(r["stem_rows_left"] for r in resident) > 0 and sum(r["stem_node_bytes_sent"] for r in resident) > 0
-    assert sum(r["stem_rows_entered_ahead"] for r in resident) > 0  # beside the step before, as planned ahead
+    if optimizer == "lazy":  # rows entered beside the step before, as planned ahead. With dense Adam only until that
+        # step begins its update, which this tiny model reaches before the plan across 4 ranks comes (seen: none
+        # ahead); tests/test_working_set.py slows the decay to check them
+        assert sum(r["stem_rows_entered_ahead"] for r in resident) > 0
     assert weights.keys() == host_weights.keys() and any(".U_l." in name for name in weights)
     assert all(torch.equal(weights[n], host_weights[n]) for n in host_weights)
     audits = {rows: json.loads((tmp_path / str(rows) / "collective_audit_step2.json").read_text()) for rows in (0, 8)}

@@ -28,10 +28,26 @@ def _data(steps, seed=11):
             yield {"tokens": s[:, :-1], "labels": s[:, 1:]}
 
 
+def _slow_decay():
+    """Dense Adam's decay beside the next step (``LaterDecay``) a row at a time, 2 ms each: the prefetch thread's
+    preload of the step after comes while that decay is under way, and must wait for its rows."""
+    import time
+
+    from stem_megatron.host_tables import later_decay
+
+    later_decay.CHUNK_ELEMENTS = 1
+    run = later_decay.LaterDecay.run
+
+    def slowly(self, ids, decay):
+        return run(self, ids, lambda chunk: (time.sleep(0.002), decay(chunk)))
+
+    later_decay.LaterDecay.run = slowly
+
+
 def _train(tp, pp, optimizer, read_dtype, resident_rows, kernel=None):
     """``STEPS`` steps; after steps 3 and 6 the whole tables are read (as a checkpoint or an export reads them) and
     a validation pass runs on the same store. Returns losses, grad norms, validation losses, the tables and moments,
-    and the working set's counters."""
+    and the working set's counters. With a dense working set the decay beside the step is slowed (``_slow_decay``)."""
     from stem_megatron.training.data_stream import with_rows
     from stem_megatron.training.setup import setup_model
     from stem_megatron.training.step import forward_backward, train_step
@@ -40,6 +56,8 @@ def _train(tp, pp, optimizer, read_dtype, resident_rows, kernel=None):
                       resident_rows=resident_rows)
     cfg = RunConfig(model=MODEL, stem=stem, parallel=ParallelConfig(tp, pp),
                     train=TrainConfig(steps=STEPS, micro_batch_size=MICRO, global_batch_size=GLOBAL, lr=1e-2))
+    if resident_rows and optimizer == "dense":
+        _slow_decay()
     torch.manual_seed(0)
     trainer = setup_model(cfg)
     store = trainer.store
@@ -47,7 +65,7 @@ def _train(tp, pp, optimizer, read_dtype, resident_rows, kernel=None):
     if kernel is not None:
         store.resident.kernel = kernel
     out = {"loss": [], "grad_norm": [], "valid": [], "tables_mid": [], "entered": 0, "ahead": 0, "staged": 0,
-           "left": 0}
+           "left": 0, "asked": 0}
     with with_rows(_data(STEPS), store, n_micro) as data:
         for step in range(1, STEPS + 1):
             result = train_step(trainer, data, n_micro, MICRO, MODEL.seq_length, MODEL.vocab_size)
@@ -58,6 +76,7 @@ def _train(tp, pp, optimizer, read_dtype, resident_rows, kernel=None):
             out["left"] += stats.get("stem_rows_left", 0)
             out["ahead"] += stats.get("stem_rows_entered_ahead", 0)
             out["staged"] += stats.get("stem_rows_entered_staged", 0)
+            out["asked"] += stats.get("stem_decay_rows_asked", 0)
             if step in (3, 6):
                 out["tables_mid"].append({layer: store.table(layer) for layer in store.layers})
                 trainer.model.eval()
@@ -89,8 +108,9 @@ CASES = {  # (tp, pp, dp, optimizer, read_dtype, resident_rows): rows enter and 
 @pytest.mark.parametrize("case", CASES)
 def test_working_set_trains_bitwise_like_the_host_step(case):
     """At DP = 2 each rank's set holds the rows it owns and every rank reads its step's rows from their owners
-    (host_tables/step_rows.py), with lazy Adam loading its rows of a step as its prefetch thread plans it: still
-    bitwise the host step, whose owners update on the host and pull."""
+    (host_tables/step_rows.py), loading its rows of a step as its prefetch thread plans it: still bitwise the host
+    step, whose owners update on the host and pull. With dense Adam the rows loaded ahead are those whose host decay
+    of the step before was asked for first, while that decay ran a row at a time."""
     tp, pp, dp, optimizer, read_dtype, resident_rows = CASES[case]
     runs = distributed.run(_compare, tp * pp * dp, tp, pp, optimizer, read_dtype, resident_rows, tp=tp, pp=pp)
     for rank, (plain, resident) in enumerate(runs):
@@ -106,10 +126,13 @@ def test_working_set_trains_bitwise_like_the_host_step(case):
             assert torch.equal(resident["moments"][key], moment), f"rank {rank}: {key} differs"
         if plain["tables"]:  # a stage with STEM layers: rows entered and left the set
             assert resident["entered"] > 0 and resident["left"] > 0, resident
-            # lazy Adam: rows enter while the step before runs (the prefetch thread; at DP = 2 those the rank owns of
-            # its plan of the step), or are staged then (no slot free yet) and enter at its end; the recipe's dense
-            # Adam: at the step's end
-            assert (resident["ahead"] > 0) == (resident["staged"] > 0) == (optimizer == "lazy"), resident
+            # rows enter while the step before runs (the prefetch thread; at DP = 2 those the rank owns of its plan of
+            # the step); with lazy Adam others are staged then (no slot free yet) and enter at its end; with the
+            # recipe's dense Adam none is staged (a late row still decays on the host) and the prefetch thread waited
+            # for the decay of the rows it loaded
+            assert resident["ahead"] > 0, resident
+            assert (resident["staged"] > 0) == (optimizer == "lazy"), resident
+            assert (resident["asked"] > 0) == (optimizer == "dense"), resident
 
 
 
@@ -205,6 +228,91 @@ def test_rows_staged_ahead_enter_as_they_would_at_the_steps_end():
         for kind in ("master", "exp_avg", "exp_avg_sq"):
             for layer, value in plain_host.kind(kind).items():
                 assert torch.equal(host.kind(kind)[layer], value), (kind, layer)
+
+
+def test_the_decay_beside_the_step_takes_asked_rows_first_and_ends_as_in_one_piece():
+    """``LaterDecay`` decays 300 rows in chunks of 4 on another thread (the Adam thread's part); a ``wait_for`` of
+    rows near the end returns once those have decayed, long before the rest, and the tables end bitwise as one call
+    of the kernel over every row leaves them, each row decayed once. A failing decay fails the waiter, not hangs it."""
+    import threading
+    import time
+
+    from stem_megatron.host_tables.later_decay import CHUNK_ELEMENTS, LaterDecay
+    from stem_megatron.host_tables.row_adam import RowAdam
+
+    g = torch.Generator().manual_seed(2)
+    V, cols = 400, 8
+    state = [torch.randn(V, cols, generator=g), torch.randn(V, cols, generator=g) * 1e-2,
+             torch.rand(V, cols, generator=g) * 1e-4]
+    adam, ids = RowAdam((0.9, 0.95), 1e-8, 0.1), torch.arange(50, 350)
+    expected = [t.clone() for t in state]
+    adam.update_untouched_rows(5, 1e-2, ids, *expected)
+
+    chunks = []
+
+    def decay(chunk):
+        time.sleep(0.005)
+        adam.update_untouched_rows(5, 1e-2, chunk, *state)
+        chunks.append(chunk)
+
+    later = LaterDecay(V, CHUNK_ELEMENTS // 4)  # 4 rows a chunk
+    later.expect(ids)
+    worker = threading.Thread(target=later.run, args=(ids, decay))
+    worker.start()
+    asked = torch.tensor([340, 7, 345, 320])  # 7: not due, nothing to wait for
+    later.wait_for(asked)
+    decayed = torch.cat(chunks)
+    assert torch.isin(asked[asked != 7], decayed).all() and decayed.numel() < ids.numel() / 2, decayed.numel()
+    assert later.stats["decay_rows_asked"] == 3
+    worker.join()
+    decayed = torch.cat(chunks)
+    assert torch.equal(torch.sort(decayed).values, ids), "every row decayed once"
+    assert all(torch.equal(a, b) for a, b in zip(state, expected))
+    later.wait_for(ids)  # nothing due any more: returns at once
+
+    def failing(chunk):
+        time.sleep(0.05)
+        raise OSError("boom")
+
+    errors = []
+
+    def run_failing():
+        try:
+            later.run(ids, failing)
+        except OSError as error:
+            errors.append(error)
+
+    later.expect(ids)
+    worker = threading.Thread(target=run_failing)
+    worker.start()
+    with pytest.raises(RuntimeError, match="dense decay of the step before failed"):
+        later.wait_for(torch.tensor([300]))
+    worker.join()
+    assert errors, "the decay's own error reaches its thread (the training thread's settle)"
+
+
+def test_a_dense_set_loads_ahead_only_until_the_step_before_begins_its_update():
+    """With dense Adam every resident slot updates every step, so a row may load ahead only while the step before
+    has not begun its update (which then covers it); ``preload`` after ``begin_update`` loads nothing (``admit``
+    loads those rows, after the host decayed them), and it stages none."""
+    from stem_megatron.host_tables.row_adam import RowAdam
+    from stem_megatron.host_tables.working_set import HostRows, WorkingSet
+
+    V, cols = 100, 8
+    master = {1: torch.randn(V, cols)}
+    host = HostRows(master, {1: torch.zeros(V, cols)}, {1: torch.zeros(V, cols)}, {1: master[1].clone()},
+                    lambda ids: ids, lambda ids: ids)
+    ws = WorkingSet([1], 20, V, cols, torch.device("cpu"), torch.float32, host, RowAdam((0.9, 0.95), 1e-8, 0.1),
+                    ahead=True, dense=True)
+    assert ws.staged.rows == 0
+    ws.preload(torch.arange(10))  # before any admit: no step before it to update it
+    assert ws.stats["rows_entered_ahead"] == 0
+    ws.admit(torch.arange(10))
+    ws.preload(torch.arange(5, 15))
+    assert ws.stats["rows_entered_ahead"] == 5 and bool((ws.slot_of[10:15] >= 0).all())
+    ws.begin_update()
+    ws.preload(torch.arange(15, 20))
+    assert ws.stats["rows_entered_ahead"] == 5 and bool((ws.slot_of[15:20] < 0).all())
 
 
 @pytest.mark.slow

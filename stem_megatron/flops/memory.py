@@ -300,7 +300,7 @@ def plan(cfg: RunConfig, layout: Layout, distinct_ids: Optional[int] = None,
                     moving = [working_set_bytes(min(s.resident_rows, n), cols, tokens) for n in bounds]
                     # its staging slots, and a landing buffer a layer for the master and each moment
                     landing = sum(STAGING_SLOTS * staged + layers * 3 * kept for staged, kept in moving) * layout.tp
-                    if s.optimizer == "lazy":  # and the rows it stages ahead (loaded ahead with lazy Adam only)
+                    if s.optimizer == "lazy":  # and the rows it stages ahead (staged with lazy Adam only)
                         landing += sum(staged_bytes(staged_rows(min(s.resident_rows, n), layers), layers, cols)
                                        for n in bounds) * layout.tp
                 else:

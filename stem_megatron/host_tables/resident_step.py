@@ -4,15 +4,17 @@ the rows' reads, and ``store.step`` with it, which runs between the clip and the
 1. AdamW on the working set's slots, the step's gradients where they are (the device); on CPU on the Adam thread,
    whose cores DeepSpeed's kernel uses.
 2. Dense Adam only: the rows not resident decay on the host (zero gradients, ``store._update``), first those the next
-   step reads, since they enter the set below with their state.
+   step reads that did not load ahead, since they enter the set below with their state.
 3. The next step's ids admitted: entering rows' state from the host, leaving rows' back to it. At DP > 1 the next
    step is planned first (``plan``): a rank admits the rows it owns of those any rank reads, and after the admission
    every rank receives its next step's rows from their owners (``step_rows.StepRows.receive``), at this one place on
    every rank; rows other nodes own are stale in this node's host copy from here until a ``refresh`` pulls them.
-   With lazy Adam the prefetch thread has planned that step already, as it announced it (``plan_ahead``, over
-   groups of its own), and its owned rows not resident were loaded beside the step before (``preload``).
+   The prefetch thread has planned that step already, as it announced it (``plan_ahead``, over groups of its own),
+   and its owned rows not resident were loaded beside the step before (``preload``; with dense Adam only those loaded
+   before this step's 1. began, which then covered them).
 4. Beside the next step (``stem.overlap_update``), on the Adam thread: the leaving rows landed in the host record, and
-   dense Adam's other rows. The next step's ``step`` (and ``settle``, ``refresh``) waits for them first.
+   dense Adam's other rows decayed, first those the prefetch thread loads ahead for the step after
+   (``later_decay.LaterDecay``). The next step's ``step`` (and ``settle``, ``refresh``) waits for them first.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
+from stem_megatron.host_tables.later_decay import LaterDecay
 from stem_megatron.host_tables.step_rows import StepRows
 from stem_megatron.host_tables.working_set import HostRows, WorkingSet
 
@@ -35,15 +38,17 @@ class ResidentRows:
                        tokens: int) -> None:
         """The working set of ``resident_rows`` slots a layer (0: none), rows held in the ``travel`` dtype; pinned
         memory reserved for ``moving_rows`` rows entering or leaving at once and fetches of ``tokens``."""
-        self.resident = self.step_rows = None
+        self.resident = self.step_rows = self.later_decay = None
         self._planned = None  # (ids, their plan): a step planned before its ``begin_step`` (``plan``)
         self._plans: Optional[queue.Queue] = None  # the prefetch thread's plans, in step order (``plan_ahead``)
         if resident_rows:
             host = HostRows(self.master, self.exp_avg, self.exp_avg_sq, self.weight, self.own.local,
                             self.own.position)
             self.resident = WorkingSet(self.layers, resident_rows, self.vocab_size, self.cols, self.device, travel,
-                                       host, self.adam, ahead=optimizer == "lazy", moving_rows=moving_rows,
-                                       tokens=tokens)
+                                       host, self.adam, ahead=True, dense=optimizer == "dense",
+                                       moving_rows=moving_rows, tokens=tokens)
+            if optimizer == "dense":
+                self.later_decay = LaterDecay(self.vocab_size, self.cols * len(self.layers))
             if dist.get_world_size(self.dp_group) > 1:
                 self.step_rows = StepRows(self.layers, self.exchange, self.resident)
             mine = self.own.my_rows()  # the rows this rank updates: a mask over ids, and their count
@@ -83,9 +88,9 @@ class ResidentRows:
     def begin_planning_ahead(self) -> bool:
         """(training thread, every rank of the DP group alike) From now on each training step is planned by the
         prefetch thread as it announces it (``plan_ahead``), so that the rows this rank owns of it can load during
-        the step before. Only with a working set, lazy Adam (a row not resident is final) and DP > 1 (at DP = 1
-        every id is the rank's own: nothing to plan). Returns whether it does."""
-        if self.step_rows is None or not self.resident.ahead:  # (then the store made the planning groups)
+        the step before. Only with a working set and DP > 1 (at DP = 1 every id is the rank's own: nothing to
+        plan). Returns whether it does."""
+        if self.step_rows is None:  # (with a working set the store made the planning groups)
             return False
         self._plans = queue.Queue()
         return True
@@ -124,10 +129,14 @@ class ResidentRows:
 
     def preload(self, ids: torch.Tensor) -> None:
         """(prefetch thread) A training step reads the sorted ``ids`` (at DP > 1: ``plan_ahead``'s, those this rank
-        updates): with a working set and lazy Adam, their rows that are not resident load while the step before runs
-        (``WorkingSet.preload``). At DP > 1 only rows this rank owns load here (their host state is its own)."""
+        updates): with a working set, their rows that are not resident load while the step before runs
+        (``WorkingSet.preload``), with dense Adam once their decay of the step before that is done. At DP > 1 only
+        rows this rank owns load here (their host state is its own)."""
         if self.resident is not None:
-            self.resident.preload(ids if self.step_rows is None else ids[self.mine[ids]])
+            ids = ids if self.step_rows is None else ids[self.mine[ids]]
+            if self.later_decay is not None:
+                self.later_decay.wait_for(ids)
+            self.resident.preload(ids)
 
     def _step_resident(self, step: int, lr: float, next_ids: torch.Tensor) -> None:
         """``step`` with a working set: step ``step``; ``next_ids``: the next step's ids."""
@@ -145,6 +154,8 @@ class ResidentRows:
                 self._update(step, lr, layer, rows, none, torch.empty(0, self.cols), None)
 
         start = time.perf_counter()
+        if dense:
+            ws.begin_update()
         if ws.kernel == "rows":  # CPU: DeepSpeed's kernel on the Adam thread's cores
             self.updates.now(update)
         else:
@@ -157,6 +168,7 @@ class ResidentRows:
             read[owned] = True
             entering, rest = (outside & read).nonzero().squeeze(1), (outside & ~read).nonzero().squeeze(1)
             self.updates.now(lambda: decay(entering))
+            self.later_decay.expect(rest)
             self._stats["rows_updated_later"] += rest.numel() * len(self.layers)
         land = self._enter(routes, owned)
         if self.step_rows is not None and self.node.rail is not None:
@@ -164,9 +176,11 @@ class ResidentRows:
         self.steps_done = step
 
         def later() -> None:
-            if land is not None:
-                land()
-            if rest.numel():
-                decay(rest)
+            try:
+                if land is not None:
+                    land()
+            finally:  # even after a failed landing: a preload waits for these rows
+                if rest.numel():
+                    self.later_decay.run(rest, decay)
 
         self.updates.later(later)

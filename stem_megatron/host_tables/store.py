@@ -91,7 +91,7 @@ class HostTableStore(WholeTables, ResidentRows):
         self.device = device or torch.device("cpu")
         self.dp_group = parallel_state.get_data_parallel_group()
         self.node = node_layout(dist.get_process_group_ranks(self.dp_group),
-                                planning=bool(resident_rows) and optimizer == "lazy")  # (``plan_ahead``)
+                                planning=bool(resident_rows))  # (``plan_ahead``)
         n = self.node
         self.own = RowOwnership(vocab_size, n.dp_nodes, n.dp_node, len(n.local_dp_peers), n.peer_index)
         self.exchange = RowExchange(self.own, n, self.device, wire_dtype)
@@ -330,7 +330,8 @@ class HostTableStore(WholeTables, ResidentRows):
         rank to its DP peers anywhere; ``stem_node_*`` for this rank's node in total (bytes sent to and
         received from other nodes, table rows Adam updated, each layer counted), a collective over the node."""
         stats, self._stats = self._stats, self._new_stats()
-        for part in [p for p in (self.grads, self.updates, self.resident, self.step_rows) if p is not None]:
+        parts = (self.grads, self.updates, self.resident, self.step_rows, self.later_decay)
+        for part in [p for p in parts if p is not None]:
             stats.update(part.stats)
             part.stats = part.new_stats()
         wire, self.exchange.stats = self.exchange.stats, self.exchange.new_stats()

@@ -12,10 +12,11 @@ estimate). With a working set (``stem.resident_rows``) every STEM layer keeps sl
   or every resident slot (dense; the rows not resident decay on the host, with zero gradients, as today);
 - the next step's ids are then admitted: rows not resident enter with their state from the host; rows leave (the
   least counted of those the next step does not read) when slots run short, and their state goes back to the host
-  on a side stream, landed by the Adam thread beside the next step. With lazy Adam the entering rows are loaded
-  ahead, while the step before runs (``preload``, called by the prefetch thread as it announces a step), and those
-  that find no free slot then are gathered then (``staged_rows.StagedRows``) and put in place at ``admit`` on the
-  side stream, each layer's first reader waiting for its own.
+  on a side stream, landed by the Adam thread beside the next step. The entering rows are loaded ahead, while the
+  step before runs (``preload``, called by the prefetch thread as it announces a step; with dense Adam only until
+  that step's update begins, each row once its host decay of the last step is done: ``later_decay``). With lazy
+  Adam those that find no free slot then are gathered then (``staged_rows.StagedRows``) and put in place at
+  ``admit`` on the side stream, each layer's first reader waiting for its own.
 
 The host tables stay the record of every row not resident; ``write_back`` makes them whole for a reader of the
 tables (``store.settle``: checkpoints, export, validation). The update keeps today's semantics (AdamW; lazy: bias
@@ -69,10 +70,12 @@ class WorkingSet:
 
     def __init__(self, layers: list[int], capacity: int, vocab_size: int, cols: int, device: torch.device,
                  travel: torch.dtype, host: HostRows, adam: RowAdam, kernel: Optional[str] = None,
-                 ahead: bool = False, moving_rows: int = 0, tokens: int = 0):
+                 ahead: bool = False, dense: bool = False, moving_rows: int = 0, tokens: int = 0):
         """``travel``: the dtype the forward reads rows in (``transfer.travel_dtype``); ``kernel``: ``rows``
         (DeepSpeed's, on CPU) or ``fused`` (torch's fused AdamW, on GPU); default by device. ``ahead``: entering
-        rows load during the step before theirs (``preload``; lazy Adam only, where a row not resident is final).
+        rows load during the step before theirs (``preload``). ``dense``: the recipe's dense Adam, where every row
+        changes every step: rows load ahead only until the step before begins its update (``begin_update``), and
+        none are staged.
         ``moving_rows``: the most rows that enter or leave at once (at most a step's, or the capacity), whose pinned
         staging and landing are reserved here (GPU; ``tokens``: a micro-batch's, whose indices a fetch stages), and
         the rows staged ahead's (``pinned.staged_rows``; 0: by the capacity)."""
@@ -91,8 +94,8 @@ class WorkingSet:
         for layer in layers:
             for kind in KINDS:
                 self.d2h.reserve((layer, kind), landing)
-        self.ahead = ahead
-        rows = staged_rows(moving_rows or capacity, len(layers)) if ahead else 0
+        self.ahead, self.dense = ahead, dense
+        rows = staged_rows(moving_rows or capacity, len(layers)) if ahead and not dense else 0
         self.staged = StagedRows(layers, cols, rows, self.h2d.copies)
         self._arriving: dict[int, torch.cuda.Event] = {}  # (GPU) layer -> the end of its staged rows' put
         self.running = torch.empty(0, dtype=torch.int64)  # the ids of the step now running (the last admitted)
@@ -101,6 +104,7 @@ class WorkingSet:
         self._landed.set()
         self._updated = None  # (GPU) event: the compute stream at the last ``admit``'s end (the slots' updates)
         self._loaded = None  # (GPU) event: the side stream's ``preload`` work
+        self._preloadable = False  # (dense) from an ``admit`` to the next ``begin_update``: ``preload`` may load
         self.stats = self.new_stats()
         self._grow(min(capacity, vocab_size))
 
@@ -159,6 +163,16 @@ class WorkingSet:
         return self.rows(layer, slots).float()
 
     # ---- after the clip ----
+    def begin_update(self) -> None:
+        """(dense, before the first ``update`` of a step) Rows loaded ahead so far are updated with the set (a zero
+        gradient, as the host would decay them); ``preload`` loads no more until the next ``admit``, since a row
+        entering later would miss both this update and the host's decay of the rows outside."""
+        with self._lock:
+            self._preloadable = False
+            if self.device.type == "cuda" and self._loaded is not None:
+                torch.cuda.current_stream().wait_event(self._loaded)
+                self._loaded = None
+
     def update(self, step: int, lr: float, layer: int, ids: torch.Tensor, grads: torch.Tensor, dense: bool) -> None:
         """AdamW on ``layer``'s slots of ``ids`` (sorted) with ``grads`` (``[len(ids), cols]``, on the device);
         ``dense``: every other resident slot too, with a zero gradient."""
@@ -226,6 +240,7 @@ class WorkingSet:
                 self._load(entering[~mask], slots[~mask])
                 self._enter_staged(entering[mask], slots[mask], rows)
             self.running = ids
+            self._preloadable = True
             if self.device.type == "cuda":  # after this step's updates and the set as admit left it (grown, loaded)
                 self._updated = torch.cuda.current_stream().record_event()
             return land
@@ -233,13 +248,18 @@ class WorkingSet:
     def preload(self, ids: torch.Tensor) -> None:
         """(prefetch thread, as it announces a step) With ``ahead``: the state of the announced step's rows that
         are not resident, loaded into free slots while the step before runs, on the side stream. Exact with lazy
-        Adam: that step updates its own rows only, and neither they nor their slots are touched here. Room is made
-        from rows neither step reads (their state is final, landed here); the state of those that still find no
-        slot is staged (``StagedRows``, as many as it holds) for ``admit`` to put in place, the rest left to it."""
+        Adam: that step updates its own rows only, and neither they nor their slots are touched here. With dense
+        Adam (the host record of ``ids`` current: their decay of the last step done, ``later_decay``) only before
+        that step's ``begin_update``: its update then covers them, a zero gradient as on the host. Room is made from
+        rows neither step reads, landed here (lazy: their state is final; dense: the host decays them as rows
+        outside). With lazy Adam the state of those that still find no slot is staged (``StagedRows``, as many as it
+        holds) for ``admit`` to put in place; the rest are left to it."""
         if not self.ahead:
             return
         self._landed.wait()  # rows that left at the last admit: on the host before any of them is read again
         with self._lock:
+            if self.dense and not self._preloadable:  # the step before has begun its update: admit loads them
+                return
             entering = self.outside(ids)
             if not entering.numel():
                 return
@@ -255,7 +275,8 @@ class WorkingSet:
             late, entering = entering[free.numel():], entering[:free.numel()]
             self._load(entering, free[:entering.numel()], ahead=True)
             self.stats["rows_entered_ahead"] += entering.numel() * len(self.layers)
-            self.staged.stage(late, self.host)
+            if not self.dense:  # (dense: a late row still decays on the host before it enters)
+                self.staged.stage(late, self.host)
 
     def _spare(self, keep: torch.Tensor) -> torch.Tensor:
         """Slots of resident rows not among ``keep``."""
@@ -390,3 +411,4 @@ class WorkingSet:
             self.ids.fill_(-1)
             self.staged.drop()
             self.running = torch.empty(0, dtype=torch.int64)
+            self._preloadable = False
