@@ -12,9 +12,11 @@ seconds the next step waited for them, and the share of updated rows that were n
 set, ``held`` splits into the slots' AdamW (``update s``: on a GPU a device kernel of ~4-12 ms by
 docs/gpu_step_v2.md, here DeepSpeed's kernel on these cores) and the host's part (``host s``: admitting the next
 step's rows, the dense decay of entering rows): what would stay on the path on a GPU. During the "device step" the
-working set loads the step after's entering rows ahead (``store.plan_ahead``, ``store.preload``, lazy Adam), as the
-prefetch thread does; ``at end`` counts the rows that still entered at the step's end, on the path, and ``staged``
-those of them whose state that thread gathered ahead (``StagedRows``: only their put in place is left). ``--nodes N``
+working set loads the step after's entering rows ahead (``store.plan_ahead``, ``store.preload``; with dense Adam
+once their decay of the step is done, asked first: ``LaterDecay``), as the prefetch thread does, in ``ahead s`` (of
+the device step: past it, the prefetch thread would be late); ``at end`` counts the rows that still entered at the
+step's end, on the path, and ``staged`` those of them whose state that thread gathered ahead (``StagedRows``: only
+their put in place is left). ``--nodes N``
 runs N processes as N emulated nodes (one DP rank each, ``--tokens`` each; rank 0's figures): the host step then
 also pulls the rows other nodes updated, and a working set holds the rows its rank owns and sends them back to the
 ranks that read them; ``MB sent`` is what rank 0 sent a step (row gradients, rows, ids); ``back s``, of ``host s``,
@@ -91,14 +93,15 @@ def _steps(p: np.ndarray, args, rank: int, optimizer: str, overlap: bool, reside
         start = time.perf_counter()  # the device's forward and backward of the next step, during which the
         announced = torch.unique(draw(step + 2))  # prefetcher announces the step after it (working set, lazy)
         store.preload(store.plan_ahead(announced))
-        time.sleep(max(0.0, args.device_step - (time.perf_counter() - start)))
+        ahead = time.perf_counter() - start
+        time.sleep(max(0.0, args.device_step - ahead))
         stats = store.take_stats()
         records.append(dict(held=held, later=stats["stem_rows_updated_later"],
                             rows=stats["stem_node_rows_updated"], beside=stats["stem_cpu_adam_overlapped_s"],
                             wait=stats["stem_adam_wait_s"], update=stats.get("stem_resident_update_s", 0.0),
                             entered=stats.get("stem_rows_entered", 0) - stats.get("stem_rows_entered_ahead", 0),
                             staged=stats.get("stem_rows_entered_staged", 0),
-                            sent=stats["stem_bytes_sent"], back=stats.get("stem_receive_s", 0.0)))
+                            sent=stats["stem_bytes_sent"], back=stats.get("stem_receive_s", 0.0), ahead=ahead))
     store.settle()
     del store
     gc.collect()  # its tables (tmpfs) go before the next plan's are made
@@ -133,7 +136,7 @@ def main(argv=None) -> None:
           f"{args.device_step} s, {args.nodes} node(s); medians of {args.repeats} x {args.steps - 1} steps")
     print(f"{'optimizer':9} {'order':16} {'held s':>8} {'vs serial':>9} {'beside s':>9} {'wait s':>7} "
           f"{'rows/step':>10} {'not read next':>13} {'MB sent':>8} {'update s':>9} {'host s':>7} {'back s':>7} "
-          f"{'at end':>8} {'staged':>7}")
+          f"{'at end':>8} {'staged':>7} {'ahead s':>8}")
     arms = {"serial": (False, 0), "next-use first": (True, 0)}
     if args.resident:
         arms["working set"] = (True, args.resident)
@@ -154,7 +157,8 @@ def main(argv=None) -> None:
                      f"{statistics.median(r['held'] - r['update'] for r in records):7.3f} "
                      f"{statistics.median(r['back'] for r in records):7.3f} "
                      f"{statistics.median(r['entered'] for r in records):8,.0f} "
-                     f"{statistics.median(r['staged'] for r in records):7,.0f}") if resident else ""
+                     f"{statistics.median(r['staged'] for r in records):7,.0f} "
+                     f"{statistics.median(r['ahead'] for r in records):8.3f}") if resident else ""
             print(f"{optimizer:9} {arm:16} {held:8.3f} {held / serial:8.2f}x "
                   f"{statistics.median(r['beside'] for r in records):9.3f} "
                   f"{statistics.median(r['wait'] for r in records):7.3f} {rows:10,.0f} {later:12.0%} "
