@@ -121,8 +121,10 @@ SHAPES = {
 }
 STEM_PARTS = ("stem_prefetch_wait_s", "stem_cpu_adam_s", "stem_adam_wait_s", "stem_exchange_wait_s",
               "stem_bytes_to_device", "stem_bytes_from_device", "stem_device_row_bytes_peak",
-              # a working set's rows a step (each layer counted): entered, of them ahead and staged (records only)
-              "stem_rows_entered", "stem_rows_entered_ahead", "stem_rows_entered_staged")
+              # a working set's rows a step (each layer counted): entered, of them ahead and staged; with dense Adam
+              # the rows whose decay the prefetch thread waited for, and its seconds (records only)
+              "stem_rows_entered", "stem_rows_entered_ahead", "stem_rows_entered_staged", "stem_decay_rows_asked",
+              "stem_decay_wait_s")
 
 
 @dataclass
