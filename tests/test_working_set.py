@@ -141,7 +141,8 @@ def _one_update(kernel, dense, step=7):
     paper's d_ff), state drawn as after some training; one AdamW step of 40 rows (lazy) or every resident row
     (dense). Returns, for the masters and both moments, (the resident rows' value before, after)."""
     from stem_megatron.host_tables.row_adam import RowAdam
-    from stem_megatron.host_tables.working_set import HostRows, WorkingSet
+    from stem_megatron.host_tables.host_rows import HostRows
+    from stem_megatron.host_tables.working_set import WorkingSet
 
     g = torch.Generator().manual_seed(3)
     V, cols = 200, 256
@@ -178,7 +179,8 @@ def _staged_run(staged_rows, switch_at=None):
     the ones preloaded. Returns the slots' state and map after every step, the host record at the end, the counters."""
     from stem_megatron.host_tables.row_adam import RowAdam
     from stem_megatron.host_tables.staged_rows import StagedRows
-    from stem_megatron.host_tables.working_set import HostRows, WorkingSet
+    from stem_megatron.host_tables.host_rows import HostRows
+    from stem_megatron.host_tables.working_set import WorkingSet
 
     g = torch.Generator().manual_seed(5)
     V, cols, layers = 200, 16, [1, 2]
@@ -296,7 +298,8 @@ def test_a_dense_set_loads_ahead_only_until_the_step_before_begins_its_update():
     has not begun its update (which then covers it); ``preload`` after ``begin_update`` loads nothing (``admit``
     loads those rows, after the host decayed them), and it stages none."""
     from stem_megatron.host_tables.row_adam import RowAdam
-    from stem_megatron.host_tables.working_set import HostRows, WorkingSet
+    from stem_megatron.host_tables.host_rows import HostRows
+    from stem_megatron.host_tables.working_set import WorkingSet
 
     V, cols = 100, 8
     master = {1: torch.randn(V, cols)}

@@ -26,9 +26,10 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
+from stem_megatron.host_tables.host_rows import HostRows
 from stem_megatron.host_tables.later_decay import LaterDecay
 from stem_megatron.host_tables.step_rows import StepRows
-from stem_megatron.host_tables.working_set import HostRows, WorkingSet
+from stem_megatron.host_tables.working_set import WorkingSet
 
 
 class ResidentRows:

@@ -20,9 +20,8 @@ from typing import Optional
 
 import torch
 
+from stem_megatron.host_tables.host_rows import KINDS
 from stem_megatron.host_tables.pinned import staged_bytes
-
-KINDS = ("master", "exp_avg", "exp_avg_sq")  # a row's state: its fp32 master and both Adam moments
 
 
 class StagedRows:

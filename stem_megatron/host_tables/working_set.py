@@ -33,35 +33,19 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
 
+from stem_megatron.host_tables.host_rows import KINDS, HostRows
 from stem_megatron.host_tables.pinned import DeviceToHost, landed, staged_rows, working_set_bytes
 from stem_megatron.host_tables.row_adam import RowAdam
-from stem_megatron.host_tables.staged_rows import KINDS, StagedRows
+from stem_megatron.host_tables.staged_rows import StagedRows
 from stem_megatron.host_tables.transfer import Fetched, HostToDevice, PrefetchedRows, positions_in_step
 from stem_megatron.model.stem_rows import RowOrder
 
 GROWTH = 1.25  # a set too small for a step's distinct ids grows by at least this factor
-
-
-@dataclass
-class HostRows:
-    """The host record of one rank's rows: per layer the fp32 masters and moments (``local(ids)`` rows) and the
-    copy fetches read (``position(ids)`` rows, ``read_dtype``)."""
-
-    master: dict[int, torch.Tensor]
-    exp_avg: dict[int, torch.Tensor]
-    exp_avg_sq: dict[int, torch.Tensor]
-    weight: dict[int, torch.Tensor]
-    local: Callable[[torch.Tensor], torch.Tensor]
-    position: Callable[[torch.Tensor], torch.Tensor]
-
-    def kind(self, name: str) -> dict[int, torch.Tensor]:
-        return getattr(self, name)
 
 
 class WorkingSet:
