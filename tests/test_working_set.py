@@ -150,10 +150,10 @@ def _one_update(kernel, dense, step=7):
     v = torch.rand(V, cols, generator=g) * 1e-4
     host = HostRows({1: master}, {1: m}, {1: v}, {1: master}, lambda ids: ids, lambda ids: ids)
     ws = WorkingSet([1], 48, V, cols, torch.device("cpu"), torch.float32, host,
-                    RowAdam((0.9, 0.95), 1e-8, 0.1), kernel=kernel)
+                    RowAdam((0.9, 0.95), 1e-8, 0.1), kernel=kernel, dense=dense)
     ws.admit(torch.arange(0, 96, 2))
     ids = torch.arange(0, 80, 2)
-    ws.update(step, 3e-3, 1, ids, torch.randn(ids.numel(), cols, generator=g) * 1e-2, dense)
+    ws.update(step, 3e-3, 1, ids, torch.randn(ids.numel(), cols, generator=g) * 1e-2)
     before = dict(master=master, exp_avg=m, exp_avg_sq=v)
     return {kind: (before[kind][0:96:2], ws.state[1][kind][:48].clone()) for kind in before}
 
@@ -198,7 +198,7 @@ def _staged_run(staged_rows, switch_at=None):
     for s in range(1, 11):
         ws.preload(steps[s])
         for layer in layers:
-            ws.update(s, 1e-2, layer, ws.running, grads[s][:ws.running.numel()] * layer, dense=False)
+            ws.update(s, 1e-2, layer, ws.running, grads[s][:ws.running.numel()] * layer)
         land = ws.admit(steps[11] if s == switch_at else steps[s])
         if land is not None:
             land()

@@ -146,7 +146,7 @@ class ResidentRows:
         def update() -> None:
             for layer in self.layers:
                 ids, grads, _ = self._grads.pop(layer, (none, torch.empty(0, self.cols, device=self.device), None))
-                ws.update(step, lr, layer, ids, grads, dense)
+                ws.update(step, lr, layer, ids, grads)
                 self._stats["rows_updated"] += self._mine_rows if dense else ids.numel()
 
         def decay(ids: torch.Tensor) -> None:

@@ -58,8 +58,8 @@ class WorkingSet:
         """``travel``: the dtype the forward reads rows in (``transfer.travel_dtype``); ``kernel``: ``rows``
         (DeepSpeed's, on CPU) or ``fused`` (torch's fused AdamW, on GPU); default by device. ``ahead``: entering
         rows load during the step before theirs (``preload``). ``dense``: the recipe's dense Adam, where every row
-        changes every step: rows load ahead only until the step before begins its update (``begin_update``), and
-        none are staged.
+        changes every step: ``update`` covers every resident slot, rows load ahead only until the step before
+        begins its update (``begin_update``), and none are staged.
         ``moving_rows``: the most rows that enter or leave at once (at most a step's, or the capacity), whose pinned
         staging and landing are reserved here (GPU; ``tokens``: a micro-batch's, whose indices a fetch stages), and
         the rows staged ahead's (``pinned.staged_rows``; 0: by the capacity)."""
@@ -157,13 +157,13 @@ class WorkingSet:
                 torch.cuda.current_stream().wait_event(self._loaded)
                 self._loaded = None
 
-    def update(self, step: int, lr: float, layer: int, ids: torch.Tensor, grads: torch.Tensor, dense: bool) -> None:
+    def update(self, step: int, lr: float, layer: int, ids: torch.Tensor, grads: torch.Tensor) -> None:
         """AdamW on ``layer``'s slots of ``ids`` (sorted) with ``grads`` (``[len(ids), cols]``, on the device);
-        ``dense``: every other resident slot too, with a zero gradient."""
+        dense Adam: every other resident slot too, with a zero gradient."""
         self._arrived(layer)
         state, slots = self.state[layer], self.slot_of[ids]
         others = torch.empty(0, dtype=torch.int64)
-        if dense:
+        if self.dense:
             resident = self.ids >= 0
             resident[slots] = False
             others = resident.nonzero().squeeze(1)
