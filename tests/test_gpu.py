@@ -121,7 +121,7 @@ print("landed")
 
 
 WORKING_SET = """
-import os, sys, threading, torch
+import contextlib, os, sys, threading, torch
 from torch.distributed.elastic.utils.distributed import get_free_port
 os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(get_free_port()))
 from stem_megatron import parallel
@@ -131,13 +131,22 @@ from benchmarks.row_sync import backward_one_step
 parallel.initialize(1, 1, 0)
 device, out, optimizer = torch.device(sys.argv[1]), sys.argv[2], sys.argv[3]
 V, TOKENS = 4096, 256  # ~250 distinct ids a step from 4,096: most of a step's rows are new to a set of 384
+if device.type == "cuda":  # side streams late: a read that does not wait for their work reads stale rows
+    stream = pinned.CudaCopies.stream
+
+    @contextlib.contextmanager
+    def late_stream(copies):
+        with stream(copies):
+            torch.cuda._sleep(40_000_000)  # ~20 ms on the side stream before its work
+            yield
+
+    pinned.CudaCopies.stream = late_stream
 store = HostTableStore([1, 2], V, 64, init_std=0.02, seed=0, device=device, resident_rows=384, optimizer=optimizer,
                        micro_batch_tokens=TOKENS, micro_batches=1, compute_dtype=torch.bfloat16)
 pins = []  # pinned allocations from here on: each one a cudaHostAlloc in the middle of a step
 allocate = pinned.CudaCopies.pinned
 pinned.CudaCopies.pinned = staticmethod(lambda nbytes: pins.append(nbytes) or allocate(nbytes))
 draw = lambda step: torch.randint(0, V, (1, TOKENS), generator=torch.Generator().manual_seed(step))
-store.admit(torch.unique(draw(1)))
 moved = {"stem_rows_entered": 0, "stem_rows_entered_ahead": 0, "stem_rows_entered_staged": 0, "stem_rows_left": 0}
 busy = torch.randn(4096, 4096, device=device) if device.type == "cuda" else None
 ahead = None
@@ -149,6 +158,10 @@ def preload(step):  # the prefetch thread's part: a thread of its own, on the ra
     store.preload(torch.unique(draw(step)))
 
 
+first = threading.Thread(target=preload, args=(1,))  # the prefetch thread may load step 1 before its admit
+first.start()
+first.join()
+store.admit(torch.unique(draw(1)))
 for step in range(1, 9):
     if busy is not None:  # the compute stream full while the prefetch thread loads ahead, as in training
         for _ in range(30):
@@ -184,7 +197,8 @@ def test_a_working_set_on_the_gpu_trains_its_rows_as_the_cpu_and_pins_nothing_af
     and moments: the same rows updated the same steps, torch's fused AdamW against DeepSpeed's kernel (the fused kernel
     run on the CPU over these 8 steps: masters within 1.1e-8, moments within 2.9e-7 relative).
     A row loaded into the wrong slot, before its copy, or landed from a slot not yet updated differs by a whole
-    update or more. And its pinned staging and landing buffers are reserved when the store is built
+    update or more; on the GPU every side stream's work starts ~20 ms late, so a reader that does not wait for it
+    reads such a row. And its pinned staging and landing buffers are reserved when the store is built
     (``pinned.working_set_bytes``, ``pinned.staged_bytes``), so no step allocates pinned memory, which would synchronise
     the device."""
     runs = {}

@@ -116,6 +116,8 @@ class WorkingSet:
             for kind in KINDS:
                 fresh = torch.zeros(more, self.cols, device=self.device)
                 state[kind] = torch.cat([state[kind], fresh]) if kind in state else fresh
+        if self.device.type == "cuda":  # a load ahead before the first admit comes after the fresh slots' zeros
+            self._updated = torch.cuda.current_stream().record_event()
 
     # ---- the forward's side ----
     def fetch(self, tokens: torch.Tensor, step_ids: torch.Tensor, by_position: bool = False) -> PrefetchedRows:
