@@ -42,6 +42,7 @@ def _worker(rank, env, world, port, tp, pp, ep, seed, fn, args, out_dir):
 def run(fn, world: int, *args, tp: int = 1, pp: int = 1, ep: int = 1, seed: int = 1234) -> list:
     """Run ``fn(*args)`` on ``world`` ranks with TP=tp, PP=pp, EP=ep (DP = world / (tp*pp))."""
     with tempfile.TemporaryDirectory() as out_dir:
-        mp.start_processes(_worker, args=(dict(os.environ), world, get_free_port(), tp, pp, ep, seed, fn, args, out_dir),
+        env = dict(os.environ)
+        mp.start_processes(_worker, args=(env, world, get_free_port(), tp, pp, ep, seed, fn, args, out_dir),
                            nprocs=world, join=True, start_method="forkserver")
         return [torch.load(os.path.join(out_dir, f"{r}.pt"), weights_only=False) for r in range(world)]
