@@ -141,7 +141,8 @@ class ResidentRows:
 
     def _step_resident(self, step: int, lr: float, next_ids: torch.Tensor) -> None:
         """``step`` with a working set: step ``step``; ``next_ids``: the next step's ids."""
-        ws, dense, none = self.resident, self.mode == "dense", torch.empty(0, dtype=torch.int64)
+        ws, none = self.resident, torch.empty(0, dtype=torch.int64)
+        dense = ws.dense
 
         def update() -> None:
             for layer in self.layers:

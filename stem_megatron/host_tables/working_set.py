@@ -91,6 +91,8 @@ class WorkingSet:
         self._preloadable = False  # (dense) from an ``admit`` to the next ``begin_update``: ``preload`` may load
         self.stats = self.new_stats()
         self._grow(min(capacity, vocab_size))
+        if device.type == "cuda":  # a load ahead before the first admit comes after the fresh slots' zeros
+            self._updated = torch.cuda.current_stream().record_event()
 
     @staticmethod
     def new_stats() -> dict:
@@ -116,8 +118,6 @@ class WorkingSet:
             for kind in KINDS:
                 fresh = torch.zeros(more, self.cols, device=self.device)
                 state[kind] = torch.cat([state[kind], fresh]) if kind in state else fresh
-        if self.device.type == "cuda":  # a load ahead before the first admit comes after the fresh slots' zeros
-            self._updated = torch.cuda.current_stream().record_event()
 
     # ---- the forward's side ----
     def fetch(self, tokens: torch.Tensor, step_ids: torch.Tensor, by_position: bool = False) -> PrefetchedRows:
