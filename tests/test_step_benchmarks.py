@@ -43,5 +43,4 @@ def test_update_order_reports_both_optimizers_in_both_orders_and_the_working_set
     resident = [r for r in rows if "working" in r]
     assert len(resident) == 2 and all(len(r) == len(rows[0]) + 7 for r in resident), out
     assert all(int(r[-3].replace(",", "")) > 0 for r in resident), out  # rows entered the 64-row set each step
-    lazy, dense = (int(r[-2].replace(",", "")) for r in resident)
-    assert lazy > 0 and dense == 0, out  # staged ahead: lazy Adam only (a row not resident is final there)
+    assert all(int(r[-2].replace(",", "")) > 0 for r in resident), out  # rows staged ahead, by both optimizers

@@ -44,7 +44,7 @@ def _slow_decay():
     later_decay.LaterDecay.run = slowly
 
 
-def _train(tp, pp, optimizer, read_dtype, resident_rows, kernel=None):
+def _train(tp, pp, optimizer, read_dtype, resident_rows):
     """``STEPS`` steps; after steps 3 and 6 the whole tables are read (as a checkpoint or an export reads them) and
     a validation pass runs on the same store. Returns losses, grad norms, validation losses, the tables and moments,
     and the working set's counters. With a dense working set the decay beside the step is slowed (``_slow_decay``)."""
@@ -62,8 +62,6 @@ def _train(tp, pp, optimizer, read_dtype, resident_rows, kernel=None):
     trainer = setup_model(cfg)
     store = trainer.store
     n_micro = GLOBAL // (MICRO * torch.distributed.get_world_size(store.dp_group))
-    if kernel is not None:
-        store.resident.kernel = kernel
     out = {"loss": [], "grad_norm": [], "valid": [], "tables_mid": [], "entered": 0, "ahead": 0, "staged": 0,
            "left": 0, "asked": 0}
     with with_rows(_data(STEPS), store, n_micro) as data:
@@ -127,11 +125,9 @@ def test_working_set_trains_bitwise_like_the_host_step(case):
         if plain["tables"]:  # a stage with STEM layers: rows entered and left the set
             assert resident["entered"] > 0 and resident["left"] > 0, resident
             # rows enter while the step before runs (the prefetch thread; at DP = 2 those the rank owns of its plan of
-            # the step); with lazy Adam others are staged then (no slot free yet) and enter at its end; with the
-            # recipe's dense Adam none is staged (a late row still decays on the host) and the prefetch thread waited
-            # for the decay of the rows it loaded
-            assert resident["ahead"] > 0, resident
-            assert (resident["staged"] > 0) == (optimizer == "lazy"), resident
+            # the step); others are staged then (no slot free yet) and enter at its end (with dense Adam decayed in
+            # their slots there); with dense Adam the prefetch thread waited for the decay of the rows it read
+            assert resident["ahead"] > 0 and resident["staged"] > 0, resident
             assert (resident["asked"] > 0) == (optimizer == "dense"), resident
 
 
@@ -172,15 +168,17 @@ def test_the_gpu_kernel_is_deepspeeds_update_within_fp32_rounding(dense):
         assert off.max() > 0, f"{kind}: bitwise equal: the fused kernel did not run"
 
 
-def _staged_run(staged_rows, switch_at=None):
-    """A lazy set of 40 slots, 2 layers of 200 rows, 10 steps of ~28 distinct ids each loaded ahead as the prefetch
+def _staged_run(staged_rows, switch_at=None, dense=False):
+    """A set of 40 slots, 2 layers of 200 rows, 10 steps of ~28 distinct ids each loaded ahead as the prefetch
     thread does (``preload`` before the step before is updated; two steps read ~50 rows, so some find no slot then);
     ``staged_rows``: the most rows a layer staged ahead (0: none). ``switch_at``: that step admits other ids than
-    the ones preloaded. Returns the slots' state and map after every step, the host record at the end, the counters."""
+    the ones preloaded. ``dense``: the recipe's dense Adam, whose rows outside the set decay on the host (the entering
+    ones in ``admit``, the others after it, as ``resident_step`` does). Returns the slots' state and map after every
+    step, the host record at the end, the counters."""
     from stem_megatron.host_tables.row_adam import RowAdam
     from stem_megatron.host_tables.staged_rows import StagedRows
-    from stem_megatron.host_tables.host_rows import HostRows
-    from stem_megatron.host_tables.working_set import WorkingSet
+    from stem_megatron.host_tables.host_rows import KINDS, HostRows
+    from stem_megatron.host_tables.working_set import MissedUpdate, WorkingSet
 
     g = torch.Generator().manual_seed(5)
     V, cols, layers = 200, 16, [1, 2]
@@ -188,40 +186,57 @@ def _staged_run(staged_rows, switch_at=None):
     zeros = lambda: {layer: torch.zeros(V, cols) for layer in layers}  # noqa: E731
     host = HostRows(master, zeros(), zeros(), {layer: t.clone() for layer, t in master.items()},
                     lambda ids: ids, lambda ids: ids)
-    ws = WorkingSet(layers, 40, V, cols, torch.device("cpu"), torch.float32, host, RowAdam((0.9, 0.95), 1e-8, 0.1),
-                    ahead=True)
+    adam = RowAdam((0.9, 0.95), 1e-8, 0.1)
+    ws = WorkingSet(layers, 40, V, cols, torch.device("cpu"), torch.float32, host, adam, ahead=True, dense=dense)
     ws.staged = StagedRows(layers, cols, staged_rows)
     steps = [torch.unique(torch.randint(0, V, (30,), generator=g)) for _ in range(12)]
     grads = [torch.randn(200, cols, generator=g) for _ in range(12)]
     ws.admit(steps[0])
-    seen = []
+    seen, decayed = [], []  # (dense) the entering rows decayed on the host, each admit
     for s in range(1, 11):
         ws.preload(steps[s])
+        if dense:
+            ws.begin_update()
         for layer in layers:
             ws.update(s, 1e-2, layer, ws.running, grads[s][:ws.running.numel()] * layer)
-        land = ws.admit(steps[11] if s == switch_at else steps[s])
+        ids, missed = steps[11] if s == switch_at else steps[s], None
+        if dense:
+            def on_host(rows, s=s):
+                for layer in layers:
+                    adam.update_untouched_rows(s, 1e-2, rows, *(host.kind(k)[layer] for k in KINDS))
+            outside = ws.slot_of < 0
+            outside[ids] = False
+            at_admit = lambda rows, on_host=on_host: (on_host(rows), decayed.append(rows.numel()))  # noqa: E731
+            rest, missed = outside.nonzero().squeeze(1), MissedUpdate(s, 1e-2, at_admit)
+        land = ws.admit(ids, missed)
         if land is not None:
             land()
+        if dense:
+            on_host(rest)
         state = {layer: {kind: t.clone() for kind, t in ws.state[layer].items()} for layer in layers}
         seen.append((ws.slot_of.clone(), state))
     ws.write_back()
-    return seen, host, ws.stats
+    return seen, host, dict(ws.stats, decayed_on_host=sum(decayed))
 
 
-def test_rows_staged_ahead_enter_as_they_would_at_the_steps_end():
+@pytest.mark.parametrize("dense", [False, True])
+def test_rows_staged_ahead_enter_as_they_would_at_the_steps_end(dense):
     """Rows that find no slot while the step before runs are gathered then (``StagedRows``) and put in place at
     ``admit``: every step's slots (map, masters, moments) and the host record at the end are bitwise those of a set
     that gathers them at ``admit``, whether all fit the staging or only some, and where a step admits other ids than
-    the ones staged for it (the staging is then not used)."""
-    plains = {switch_at: _staged_run(0, switch_at) for switch_at in (None, 5)}
+    the ones staged for it (the staging is then not used). With dense Adam the staged rows take the step's decay in
+    their slots, where the others take it on the host before they load."""
+    plains = {switch_at: _staged_run(0, switch_at, dense) for switch_at in (None, 5)}
     assert plains[None][2]["rows_entered_staged"] == 0
     for staged_rows, switch_at in ((64, None), (3, None), (64, 5)):
-        seen, host, stats = _staged_run(staged_rows, switch_at)
+        seen, host, stats = _staged_run(staged_rows, switch_at, dense)
         plain, plain_host, plain_stats = plains[switch_at]
         assert stats["rows_entered_staged"] > 0, stats
         if staged_rows == 3:  # more rows than it stages: the rest are gathered at admit
             assert stats["rows_entered"] - stats["rows_entered_ahead"] > stats["rows_entered_staged"], stats
         assert stats["rows_entered"] == plain_stats["rows_entered"], (stats, plain_stats)
+        if dense:  # the staged rows decay in their slots only, once (``rows_entered_staged`` counts both layers)
+            assert (plain_stats["decayed_on_host"] - stats["decayed_on_host"]) * 2 == stats["rows_entered_staged"]
         for step, ((slot_of, state), (plain_slot_of, plain_state)) in enumerate(zip(seen, plain), 1):
             assert torch.equal(slot_of, plain_slot_of), step
             for layer, kinds in plain_state.items():
@@ -295,8 +310,9 @@ def test_the_decay_beside_the_step_takes_asked_rows_first_and_ends_as_in_one_pie
 
 def test_a_dense_set_loads_ahead_only_until_the_step_before_begins_its_update():
     """With dense Adam every resident slot updates every step, so a row may load ahead only while the step before
-    has not begun its update (which then covers it); ``preload`` after ``begin_update`` loads nothing (``admit``
-    loads those rows, after the host decayed them), and it stages none."""
+    has not begun its update (which then covers it), and rows are staged only then too (``admit`` decays them with
+    that update, which they missed); ``preload`` after ``begin_update`` loads and stages nothing (``admit`` loads
+    those rows, after the host decayed them)."""
     from stem_megatron.host_tables.row_adam import RowAdam
     from stem_megatron.host_tables.host_rows import HostRows
     from stem_megatron.host_tables.working_set import WorkingSet
@@ -307,15 +323,16 @@ def test_a_dense_set_loads_ahead_only_until_the_step_before_begins_its_update():
                     lambda ids: ids, lambda ids: ids)
     ws = WorkingSet([1], 20, V, cols, torch.device("cpu"), torch.float32, host, RowAdam((0.9, 0.95), 1e-8, 0.1),
                     ahead=True, dense=True)
-    assert ws.staged.rows == 0
     ws.preload(torch.arange(10))  # before any admit: no step before it to update it
-    assert ws.stats["rows_entered_ahead"] == 0
+    assert ws.stats["rows_entered_ahead"] == 0 and ws.staged.ids is None
     ws.admit(torch.arange(10))
-    ws.preload(torch.arange(5, 15))
-    assert ws.stats["rows_entered_ahead"] == 5 and bool((ws.slot_of[10:15] >= 0).all())
+    ws.preload(torch.arange(5, 30))  # 20 rows enter, 10 slots are free: 10 load, the other 10 are staged
+    assert ws.stats["rows_entered_ahead"] == 10 and bool((ws.slot_of[10:20] >= 0).all())
+    assert torch.equal(ws.staged.ids, torch.arange(20, 30))
     ws.begin_update()
-    ws.preload(torch.arange(15, 20))
-    assert ws.stats["rows_entered_ahead"] == 5 and bool((ws.slot_of[15:20] < 0).all())
+    ws.preload(torch.arange(30, 40))
+    assert ws.stats["rows_entered_ahead"] == 10 and bool((ws.slot_of[30:40] < 0).all())
+    assert torch.equal(ws.staged.ids, torch.arange(20, 30))
 
 
 @pytest.mark.slow

@@ -10,8 +10,8 @@ op, gloo, datasets; measured), the row gradients CPU Adam reads, and on GPU the 
 before step 1 (``host_tables/pinned.py``, the same functions): the staging slots fetched rows pass through (two
 fetches' rows, in bf16, and their indices) and one landing buffer per layer for the row gradients the rank updates,
 both at the ids' bound; with a working set (``stem.resident_rows``) no gradient lands, and its entering and leaving
-rows' staging and landing are reserved instead (``working_set_bytes``, at the set's size or the ids' bound), with
-lazy Adam also its rows staged ahead (``staged_bytes``). The dense model has no host copy.
+rows' staging and landing are reserved instead (``working_set_bytes``, at the set's size or the ids' bound), and
+its rows staged ahead (``staged_bytes``). The dense model has no host copy.
 
 Device, per GPU (per rank on CPU, where it is host memory too): dense parameters (bf16 on GPU, fp32 on CPU),
 their fp32 gradient buffer (``grad_reduce_in_fp32``), megatron's Adam state (fp32 main parameters on GPU and 2
@@ -300,9 +300,8 @@ def plan(cfg: RunConfig, layout: Layout, distinct_ids: Optional[int] = None,
                     moving = [working_set_bytes(min(s.resident_rows, n), cols, tokens) for n in bounds]
                     # its staging slots, and a landing buffer a layer for the master and each moment
                     landing = sum(STAGING_SLOTS * staged + layers * 3 * kept for staged, kept in moving) * layout.tp
-                    if s.optimizer == "lazy":  # and the rows it stages ahead (staged with lazy Adam only)
-                        landing += sum(staged_bytes(staged_rows(min(s.resident_rows, n), layers), layers, cols)
-                                       for n in bounds) * layout.tp
+                    landing += sum(staged_bytes(staged_rows(min(s.resident_rows, n), layers), layers, cols)
+                                   for n in bounds) * layout.tp  # and the rows it stages ahead
                 else:
                     landing = sum(bounds) * layout.tp * layers * row
                 ranks["pinned_rows"] += count * STAGING_SLOTS * slot + landing

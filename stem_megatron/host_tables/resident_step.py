@@ -3,8 +3,9 @@ the rows' reads, and ``store.step`` with it, which runs between the clip and the
 
 1. AdamW on the working set's slots, the step's gradients where they are (the device); on CPU on the Adam thread,
    whose cores DeepSpeed's kernel uses.
-2. Dense Adam only: the rows not resident decay on the host (zero gradients, ``store._update``), first those the next
-   step reads that did not load ahead, since they enter the set below with their state.
+2. Dense Adam only: the rows not resident decay with zero gradients (``store._update``), first those the next step
+   reads that did not load ahead, since they enter the set below with their state: on the host before they load, or
+   in their slots where the prefetch thread staged them (``WorkingSet.admit``'s ``missed``).
 3. The next step's ids admitted: entering rows' state from the host, leaving rows' back to it. At DP > 1 the next
    step is planned first (``plan``): a rank admits the rows it owns of those any rank reads, and after the admission
    every rank receives its next step's rows from their owners (``step_rows.StepRows.receive``), at this one place on
@@ -29,7 +30,7 @@ import torch.distributed as dist
 from stem_megatron.host_tables.host_rows import HostRows
 from stem_megatron.host_tables.later_decay import LaterDecay
 from stem_megatron.host_tables.step_rows import StepRows
-from stem_megatron.host_tables.working_set import WorkingSet
+from stem_megatron.host_tables.working_set import MissedUpdate, WorkingSet
 
 
 class ResidentRows:
@@ -120,10 +121,12 @@ class ResidentRows:
             if land is not None:
                 land()
 
-    def _enter(self, routes: list, owned: torch.Tensor) -> Optional[Callable[[], None]]:
+    def _enter(self, routes: list, owned: torch.Tensor,
+               missed: Optional[MissedUpdate] = None) -> Optional[Callable[[], None]]:
         """A planned step's rows this rank updates (``owned``) admitted to the working set, then (DP > 1) every rank's
-        rows of it received from their owners. Returns the landing of the rows that left (``WorkingSet.admit``)."""
-        land = self.resident.admit(owned)
+        rows of it received from their owners. Returns the landing of the rows that left (``WorkingSet.admit``, as
+        is ``missed``)."""
+        land = self.resident.admit(owned, missed)
         if self.step_rows is not None:
             self.step_rows.receive(routes, owned)
         return land
@@ -164,15 +167,15 @@ class ResidentRows:
             update()
         ws.stats["resident_update_s"] += time.perf_counter() - start
         routes, owned = self.plan(next_ids)  # at DP = 1: no routes, every id owned
-        rest = none
-        if dense and self.layers:  # the rows this rank updates not resident, split by whether they enter now
-            outside, read = (ws.slot_of < 0) & self.mine, torch.zeros(self.vocab_size, dtype=torch.bool)
+        rest, missed = none, None
+        if dense and self.layers:  # the rows this rank updates not resident: those entering now decay in admit
+            read = torch.zeros(self.vocab_size, dtype=torch.bool)
             read[owned] = True
-            entering, rest = (outside & read).nonzero().squeeze(1), (outside & ~read).nonzero().squeeze(1)
-            self.updates.now(lambda: decay(entering))
+            rest = ((ws.slot_of < 0) & self.mine & ~read).nonzero().squeeze(1)
+            missed = MissedUpdate(step, lr, lambda entering: self.updates.now(lambda: decay(entering)))
             self.later_decay.expect(rest)
             self._stats["rows_updated_later"] += rest.numel() * len(self.layers)
-        land = self._enter(routes, owned)
+        land = self._enter(routes, owned, missed)
         if self.step_rows is not None and self.node.rail is not None:
             self.current.fill_(False)  # rows other nodes own changed there, not in this node's copy
         self.steps_done = step

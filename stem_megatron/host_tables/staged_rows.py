@@ -1,17 +1,19 @@
 """A working set's entering rows that cannot load ahead, gathered ahead and put in place at the step's end (issue 31).
 
-With lazy Adam a working set loads the next step's entering rows while the step before runs (``WorkingSet.preload``),
-into slots that neither step reads. Where the two steps' rows together outnumber the slots (a set sized to the memory
-goal: 8,947 rows a layer at 1B, where two steps read ~9.2k), the rest can take a slot only once the step before has
-updated its rows and some of them have left: at ``admit``, on the step's path. Measured on CPU
-(docs/benchmarks.md) that is 339 rows a layer a step at 1B, 167 MB gathered on the host (8-33 ms) and copied (~7 ms)
-while the device waits.
+A working set loads the next step's entering rows while the step before runs (``WorkingSet.preload``), into slots
+that neither step reads. Where the two steps' rows together outnumber the slots (a set sized to the memory goal: 8,947
+rows a layer at 1B, where two steps read ~9.2k), the rest can take a slot only once the step before has updated its
+rows and some of them have left: at ``admit``, on the step's path. Measured on CPU (docs/benchmarks.md) that is 339
+rows a layer a step at 1B, 167 MB gathered on the host (8-33 ms) and copied (~7 ms) while the device waits.
 
-A row not resident is final on the host until it enters (lazy Adam updates only the step's rows, and only resident
-rows leave), so its state can be read as early as the step is announced: ``stage`` gathers it then, on the prefetch
-thread, into a buffer kept for it (pinned on GPU, reserved when the store is built: ``pinned.staged_bytes``). At
-``admit`` the set takes the staged rows (``take``) and, on GPU, copies them and puts them in their slots on the side
-stream, where each layer's first reader waits for its own (``WorkingSet.rows``).
+With lazy Adam a row not resident is final on the host until it enters (only the step's rows update, and only
+resident rows leave). With the recipe's dense Adam it changes once more, by the zero-gradient decay of the step
+before it enters, which ``admit`` then gives it in its slot instead of on the host (``working_set.MissedUpdate``).
+Either way its state can be read as early as the step is announced (dense: once its decay of the step before that is
+done, and before the next update begins): ``stage`` gathers it then, on the prefetch thread, into a buffer kept for
+it (pinned on GPU, reserved when the store is built: ``pinned.staged_bytes``). At ``admit`` the set takes the staged
+rows (``take``) and, on GPU, copies them and puts them in their slots on the side stream, where each layer's first
+reader waits for its own (``WorkingSet.rows``).
 """
 
 from __future__ import annotations

@@ -14,16 +14,13 @@ estimate). With a working set (``stem.resident_rows``) every STEM layer keeps sl
   least counted of those the next step does not read) when slots run short, and their state goes back to the host
   on a side stream, landed by the Adam thread beside the next step. The entering rows are loaded ahead, while the
   step before runs (``preload``, called by the prefetch thread as it announces a step; with dense Adam only until
-  that step's update begins, each row once its host decay of the last step is done: ``later_decay``). With lazy
-  Adam those that find no free slot then are gathered then (``staged_rows.StagedRows``) and put in place at
-  ``admit`` on the side stream, each layer's first reader waiting for its own.
+  that step's update begins, each row once its host decay of the last step is done: ``later_decay``). Those
+  that find no free slot then are gathered then (``staged_rows.StagedRows``) and put in place at ``admit`` on the
+  side stream, each layer's first reader waiting for its own (dense Adam: with the step's decay, which they missed).
 
 The host tables stay the record of every row not resident; ``write_back`` makes them whole for a reader of the
-tables (``store.settle``: checkpoints, export, validation). The update keeps today's semantics (AdamW; lazy: bias
-correction by the global step, decay of touched rows only). On CPU the slots run DeepSpeed's kernel (``RowAdam``),
-the host path's: bitwise today's values. On GPU they run torch's fused AdamW (``torch._fused_adamw_``) on the
-step's rows gathered by slot: other arithmetic, equal within fp32 rounding (tests/test_working_set.py states the
-bound).
+tables (``store.settle``: checkpoints, export, validation). The update keeps today's semantics (``slot_adam``:
+DeepSpeed's kernel on CPU, bitwise today's values; torch's fused AdamW on GPU, within fp32 rounding).
 
 At DP > 1 a rank's set holds the rows it owns (``ownership``) that the group's next step reads, and updates them with
 every rank's gradients; the other ranks receive the updated rows (``step_rows.StepRows``).
@@ -33,7 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
@@ -41,11 +38,20 @@ import torch.distributed as dist
 from stem_megatron.host_tables.host_rows import KINDS, HostRows
 from stem_megatron.host_tables.pinned import DeviceToHost, landed, staged_rows, working_set_bytes
 from stem_megatron.host_tables.row_adam import RowAdam
+from stem_megatron.host_tables.slot_adam import SlotAdam
 from stem_megatron.host_tables.staged_rows import StagedRows
 from stem_megatron.host_tables.transfer import Fetched, HostToDevice, PrefetchedRows, positions_in_step
 from stem_megatron.model.stem_rows import RowOrder
 
 GROWTH = 1.25  # a set too small for a step's distinct ids grows by at least this factor
+
+
+class MissedUpdate(NamedTuple):
+    """(dense Adam) The update that a step's entering rows, outside the set then, missed: its ``step`` and ``lr``,
+    and ``on_host``, the host's zero-gradient update of sorted ids (``store._update``)."""
+    step: int
+    lr: float
+    on_host: Callable[[torch.Tensor], None]
 
 
 class WorkingSet:
@@ -58,16 +64,14 @@ class WorkingSet:
         """``travel``: the dtype the forward reads rows in (``transfer.travel_dtype``); ``kernel``: ``rows``
         (DeepSpeed's, on CPU) or ``fused`` (torch's fused AdamW, on GPU); default by device. ``ahead``: entering
         rows load during the step before theirs (``preload``). ``dense``: the recipe's dense Adam, where every row
-        changes every step: ``update`` covers every resident slot, rows load ahead only until the step before
-        begins its update (``begin_update``), and none are staged.
+        changes every step: ``update`` covers every resident slot, and rows load ahead only until the step before
+        begins its update (``begin_update``).
         ``moving_rows``: the most rows that enter or leave at once (at most a step's, or the capacity), whose pinned
         staging and landing are reserved here (GPU; ``tokens``: a micro-batch's, whose indices a fetch stages), and
         the rows staged ahead's (``pinned.staged_rows``; 0: by the capacity)."""
         self.layers, self.cols, self.device, self.travel = layers, cols, device, travel
-        self.host, self.adam = host, adam
-        self.kernel = kernel or ("fused" if device.type == "cuda" else "rows")
-        if self.kernel not in ("rows", "fused"):
-            raise ValueError(f"working-set kernel must be 'rows' or 'fused', got {self.kernel!r}")
+        self.host = host
+        self.slot_adam = SlotAdam(adam, kernel or ("fused" if device.type == "cuda" else "rows"), device)
         self.slot_of = torch.full((vocab_size,), -1, dtype=torch.int64)
         self.counts = torch.zeros(vocab_size, dtype=torch.int64)  # steps that read each row: who stays when short
         self.ids = torch.empty(0, dtype=torch.int64)  # the id in each slot (-1: free)
@@ -79,7 +83,7 @@ class WorkingSet:
             for kind in KINDS:
                 self.d2h.reserve((layer, kind), landing)
         self.ahead, self.dense = ahead, dense
-        rows = staged_rows(moving_rows or capacity, len(layers)) if ahead and not dense else 0
+        rows = staged_rows(moving_rows or capacity, len(layers)) if ahead else 0
         self.staged = StagedRows(layers, cols, rows, self.h2d.copies)
         self._arriving: dict[int, torch.cuda.Event] = {}  # (GPU) layer -> the end of its staged rows' put
         self.running = torch.empty(0, dtype=torch.int64)  # the ids of the step now running (the last admitted)
@@ -104,6 +108,10 @@ class WorkingSet:
     @property
     def capacity(self) -> int:
         return self.ids.numel()
+
+    @property
+    def kernel(self) -> str:
+        return self.slot_adam.kernel
 
     def _grow(self, capacity: int, step_ids: int = 0) -> None:
         """Slots to ``capacity``, keeping the resident rows where they are; ``step_ids``: the distinct ids of the step
@@ -163,43 +171,25 @@ class WorkingSet:
         """AdamW on ``layer``'s slots of ``ids`` (sorted) with ``grads`` (``[len(ids), cols]``, on the device);
         dense Adam: every other resident slot too, with a zero gradient."""
         self._arrived(layer)
-        state, slots = self.state[layer], self.slot_of[ids]
-        others = torch.empty(0, dtype=torch.int64)
+        slots, others = self.slot_of[ids], torch.empty(0, dtype=torch.int64)
         if self.dense:
             resident = self.ids >= 0
             resident[slots] = False
             others = resident.nonzero().squeeze(1)
-        if self.kernel == "rows":
-            order = torch.argsort(slots)
-            self.adam.update_rows(step, lr, slots[order], grads, *(state[k] for k in KINDS), grad_rows=order)
-            if others.numel():
-                self.adam.update_untouched_rows(step, lr, others, *(state[k] for k in KINDS))
-        else:
-            if others.numel():
-                grads = torch.cat([grads, grads.new_zeros(others.numel(), self.cols)])
-            self._fused(step, lr, state, torch.cat([slots, others]).to(self.device, non_blocking=True), grads)
-
-    def _fused(self, step: int, lr: float, state: dict, slots: torch.Tensor, grads: torch.Tensor) -> None:
-        """torch's fused AdamW on the rows at ``slots``: gathered, updated, put back (3x an in-place row kernel's
-        traffic, ~10 ms a step at 1B STEM-1/3 on an H100 by the design note)."""
-        p, m, v = (state[k].index_select(0, slots) for k in KINDS)
-        count = torch.full((), float(step), device=self.device)  # bias correction by the global step
-        torch._fused_adamw_([p], [grads.contiguous()], [m], [v], [], [count], lr=lr, beta1=self.adam.beta1,
-                            beta2=self.adam.beta2, weight_decay=self.adam.weight_decay, eps=self.adam.eps,
-                            amsgrad=False, maximize=False)
-        for kind, rows in zip(KINDS, (p, m, v)):
-            state[kind].index_copy_(0, slots, rows)
+        self.slot_adam.update(step, lr, self.state[layer], slots, grads, others)
 
     def outside(self, ids: torch.Tensor) -> torch.Tensor:
         """Those of ``ids`` not resident."""
         return ids[self.slot_of[ids] < 0]
 
     # ---- between steps ----
-    def admit(self, ids: torch.Tensor) -> Optional[Callable[[], None]]:
+    def admit(self, ids: torch.Tensor, missed: Optional[MissedUpdate] = None) -> Optional[Callable[[], None]]:
         """Make the sorted ``ids`` (the next step's) resident. Returns the landing of the rows that left, to run
         on the Adam thread before anything reads the host record again (None: none left). Rows leave in the
         order of fewest steps that read them, then id: the same rows on every run. Rows ``preload`` brought
-        ahead are resident already; the compute stream waits for them here."""
+        ahead are resident already; the compute stream waits for them here. ``missed`` (dense Adam, after a step's
+        update): the entering rows take that update first, on the host before they load, or, staged, in their
+        slots (the same kernel on CPU: bitwise)."""
         with self._lock:
             if self.device.type == "cuda" and self._loaded is not None:
                 torch.cuda.current_stream().wait_event(self._loaded)
@@ -219,12 +209,12 @@ class WorkingSet:
                     land = self._evict(self._leaving(spare, short))
                 free = (self.ids < 0).nonzero().squeeze(1)
             slots, staged = free[:entering.numel()], self.staged.take(entering)
-            if staged is None:
-                self._load(entering, slots)
-            else:
-                mask, rows = staged
-                self._load(entering[~mask], slots[~mask])
-                self._enter_staged(entering[mask], slots[mask], rows)
+            mask, rows = staged or (torch.zeros(entering.numel(), dtype=torch.bool), None)
+            if missed is not None and not mask.all():
+                missed.on_host(entering[~mask])
+            self._load(entering[~mask], slots[~mask])
+            if rows is not None:
+                self._enter_staged(entering[mask], slots[mask], rows, missed)
             self.running = ids
             self._preloadable = True
             if self.device.type == "cuda":  # after this step's updates and the set as admit left it (grown, loaded)
@@ -238,8 +228,9 @@ class WorkingSet:
         Adam (the host record of ``ids`` current: their decay of the last step done, ``later_decay``) only before
         that step's ``begin_update``: its update then covers them, a zero gradient as on the host. Room is made from
         rows neither step reads, landed here (lazy: their state is final; dense: the host decays them as rows
-        outside). With lazy Adam the state of those that still find no slot is staged (``StagedRows``, as many as it
-        holds) for ``admit`` to put in place; the rest are left to it."""
+        outside). The state of those that still find no slot is staged (``StagedRows``, as many as it holds) for
+        ``admit`` to put in place (dense: and to decay there, as the host would have before they entered); the rest
+        are left to it."""
         if not self.ahead:
             return
         self._landed.wait()  # rows that left at the last admit: on the host before any of them is read again
@@ -261,8 +252,7 @@ class WorkingSet:
             late, entering = entering[free.numel():], entering[:free.numel()]
             self._load(entering, free[:entering.numel()], ahead=True)
             self.stats["rows_entered_ahead"] += entering.numel() * len(self.layers)
-            if not self.dense:  # (dense: a late row still decays on the host before it enters)
-                self.staged.stage(late, self.host)
+            self.staged.stage(late, self.host)
 
     def _spare(self, keep: torch.Tensor) -> torch.Tensor:
         """Slots of resident rows not among ``keep``."""
@@ -314,22 +304,27 @@ class WorkingSet:
         self.ids[slots] = ids
         self.stats["rows_entered"] += ids.numel() * len(self.layers)
 
-    def _enter_staged(self, ids: torch.Tensor, slots: torch.Tensor, rows: dict[int, dict[str, torch.Tensor]]) -> None:
-        """Staged rows ``ids`` (``StagedRows.take``'s ``rows``) into ``slots``. On GPU copied and put in place on the
-        side stream after the compute stream's work so far (the slots' update, the leaving rows' gather), each
-        layer's end recorded for its first reader (``_arrived``): the compute stream goes on meanwhile."""
+    def _enter_staged(self, ids: torch.Tensor, slots: torch.Tensor, rows: dict[int, dict[str, torch.Tensor]],
+                      missed: Optional[MissedUpdate]) -> None:
+        """Staged rows ``ids`` (``StagedRows.take``'s ``rows``) into ``slots``, then (``missed``) decayed there. On GPU
+        both on the side stream after the compute stream's work so far (the slots' update, the leaving rows' gather),
+        each layer's end recorded for its first reader (``_arrived``): the compute stream goes on meanwhile."""
         if not ids.numel():
             return
         copies = self.h2d.copies
         if copies is None:
             for layer in self.layers:
                 self._put(layer, slots, rows[layer])
+                if missed is not None:
+                    self.slot_adam.decay(missed.step, missed.lr, self.state[layer], slots)
         else:
             copies.side.wait_stream(torch.cuda.current_stream())
             with self.h2d.transfer() as send:  # on the side stream; the slots through its staging
                 at = send.copy(slots)
                 for layer in self.layers:
                     self._put(layer, at, {kind: copies.to_device(value) for kind, value in rows[layer].items()})
+                    if missed is not None:
+                        self.slot_adam.decay(missed.step, missed.lr, self.state[layer], at)
                     self._arriving[layer] = copies.record()
             self.staged.copied = send.ready
         self.slot_of[ids] = slots
