@@ -34,8 +34,7 @@ class SlotAdam:
         if self.kernel == "rows":
             order = torch.argsort(slots)
             self.adam.update_rows(step, lr, slots[order], grads, *(state[k] for k in KINDS), grad_rows=order)
-            if untouched.numel():
-                self.adam.update_untouched_rows(step, lr, untouched, *(state[k] for k in KINDS))
+            self.decay(step, lr, state, untouched)
             return
         if untouched.numel():
             grads = torch.cat([grads, grads.new_zeros(untouched.numel(), grads.shape[1])])
@@ -45,9 +44,13 @@ class SlotAdam:
     def decay(self, step: int, lr: float, state: dict, slots: torch.Tensor) -> None:
         """Step ``step`` at ``lr`` on ``slots`` (sorted) with a zero gradient: dense Adam's rows that did not take
         part in the step."""
-        if slots.numel():
-            cols = state[KINDS[0]].shape[1]
-            self.update(step, lr, state, slots[:0], state[KINDS[0]].new_zeros(0, cols), slots)
+        if not slots.numel():
+            return
+        if self.kernel == "rows":
+            self.adam.update_untouched_rows(step, lr, slots, *(state[k] for k in KINDS))
+        else:
+            zeros = state[KINDS[0]].new_zeros(slots.numel(), state[KINDS[0]].shape[1])
+            self._fused(step, lr, state, slots.to(self.device, non_blocking=True), zeros)
 
     def _fused(self, step: int, lr: float, state: dict, slots: torch.Tensor, grads: torch.Tensor) -> None:
         """torch's fused AdamW on the rows at ``slots``: gathered, updated, put back (3x an in-place row kernel's
