@@ -16,7 +16,7 @@ from stem_megatron.config import (
     validate,
 )
 from stem_megatron.layer_plan import stem_layer_indices
-from stem_megatron.train import RECIPES
+from stem_megatron.recipes import RECIPES
 from stem_megatron.training.loop import run
 
 

@@ -330,7 +330,7 @@ def test_data_recipes_compose():
     from hydra import compose, initialize_config_dir
 
     from stem_megatron.config import to_run_config
-    from stem_megatron.train import RECIPES
+    from stem_megatron.recipes import RECIPES
 
     with initialize_config_dir(config_dir=RECIPES, version_base=None):
         default = to_run_config(compose("train"))

@@ -14,7 +14,7 @@ from omegaconf import OmegaConf
 
 from stem_megatron.config import ModelConfig, STEMConfig, to_run_config
 from stem_megatron.layer_plan import stem_layer_indices
-from stem_megatron.train import RECIPES
+from stem_megatron.recipes import RECIPES
 
 pytestmark = pytest.mark.slow  # ~10 s: spawning a process and importing megatron dominates
 

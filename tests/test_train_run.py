@@ -1,6 +1,6 @@
 """The `stem-train` entry point: a short TP=2 CPU run's loss falls and a rerun with the same seed
 reproduces it exactly; a token id outside the vocabulary fails with a clear error; a bad setting ends the run
-with one line naming it, not a traceback."""
+with one line naming it, not a traceback; the entry module, which spawned children import again, is light."""
 
 import json
 import subprocess
@@ -85,3 +85,11 @@ def _step_with_bad_batch():
 def test_bad_token_in_training_batch_raises_clear_error():
     message = distributed.run(_step_with_bad_batch, 1)[0]
     assert message is not None and "token id 64" in message and "vocab_size 64" in message
+
+
+def test_the_entry_module_imports_nothing_heavy():
+    """A process the training process spawns imports its ``__main__`` again (``stem_megatron.train``), as megatron's
+    checkpoint writer does on each rank's first save: that module alone loads neither torch nor megatron-core."""
+    probe = "import sys, stem_megatron.train; print(sorted({'torch', 'megatron', 'hydra'} & set(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]", out
