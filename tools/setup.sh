@@ -97,7 +97,13 @@ if [ -f "$constraints" ]; then
   # later pip calls in the venv keep them too (`pip install -e '.[eval]'`)
   printf '[install]\nconstraint = %s\n' "$(cd "$VENV" && pwd)/constraints.txt" > "$VENV/pip.conf"
 fi
-PIP="$VENV/bin/pip --disable-pip-version-check -q"
+# pip -q, less one harmless line a name: a machine whose pip.conf lists local indexes (extra-index-url file://...)
+# warns for every project one of them lacks, 160 lines a fresh setup
+quiet_pip() {
+  "$VENV/bin/pip" --disable-pip-version-check -q "$@" \
+    2> >(grep -v "^WARNING: Location 'file://.*' is ignored: it is neither a file nor a directory\.$" >&2 || true)
+}
+PIP=quiet_pip
 index=(); [ -z "$WHEELHOUSE" ] || index=(--no-index --find-links "$WHEELHOUSE")
 pins=(); ! $layered || pins=(-c "$constraints")
 pip_install() { $PIP install "${index[@]}" "${pins[@]}" "$@"; }
