@@ -52,7 +52,7 @@ def test_nodes_train_as_one(corpus, tmp_path, parallel, nnodes, nproc, optimizer
     rows: losses, grad norms, dense weights and every STEM table row within 1e-5 (only the order of the DP
     sums differs). One node against the plain on-device table: test_host_store; the owner mechanism
     against one table: test_row_ownership."""
-    batch = ("train.global_batch_size=8", f"stem.optimizer={optimizer}")
+    batch = ("train.global_batch_size=8", f"stem.optimizer={optimizer}", "checkpoint.save=false")
     one, one_weights = _run(corpus, tmp_path / "one", parallel, 1, nnodes * nproc, *batch)
     got, weights = _run(corpus, tmp_path / "nodes", parallel, nnodes, nproc, *batch)
     assert _close(got, one, "loss") < 1e-5 and _close(got, one, "grad_norm") < 1e-5
@@ -85,7 +85,7 @@ def test_row_gradients_sent_during_backward_change_nothing(corpus, tmp_path):
     ``stem.overlap_exchange`` each stage's two layers go to their owners from the backward hook of the last
     micro-batch (while backward runs on through the earlier layer), without it after backward; losses, grad
     norms and every weight and table row are bitwise the same."""
-    batch = ("train.global_batch_size=8", "model.num_layers=6", "stem.ratio=full")
+    batch = ("train.global_batch_size=8", "model.num_layers=6", "stem.ratio=full", "checkpoint.save=false")
     runs = {overlap: _run(corpus, tmp_path / str(overlap), "pp2", 2, 2, *batch, f"stem.overlap_exchange={overlap}")
             for overlap in (False, True)}
     (off, off_weights), (on, on_weights) = runs[False], runs[True]
@@ -104,7 +104,8 @@ def test_adam_beside_the_next_step_changes_nothing(corpus, tmp_path, nnodes, npr
     dense Adam: with ``stem.overlap_update`` the rows any rank reads next are updated first and the others
     on a background thread while the next step runs; without it, all at once before the next step. Losses,
     grad norms and every weight and table row are bitwise the same, and the background part did run."""
-    batch = ("train.global_batch_size=8", f"stem.optimizer={optimizer}", f"stem.cache_rows={cache_rows}")
+    batch = ("train.global_batch_size=8", f"stem.optimizer={optimizer}", f"stem.cache_rows={cache_rows}",
+             "checkpoint.save=false")
     runs = {overlap: _run(corpus, tmp_path / str(overlap), "dp2", nnodes, nproc, *batch,
                           f"stem.overlap_update={overlap}") for overlap in (False, True)}
     (off, off_weights), (on, on_weights) = runs[False], runs[True]
