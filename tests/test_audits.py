@@ -2,10 +2,17 @@
 call site a synchronising call is charged to (``sync_audit``). The collective audit of real runs:
 tests/test_multinode.py; the sync audit on a GPU: tests/test_gpu.py."""
 
+import subprocess
+import sys
 import traceback
+from pathlib import Path
+
+import pytest
 
 from stem_megatron.training.collective_audit import first_divergence, summarize
 from stem_megatron.training.sync_audit import call_site
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _call(op, group, ranks, thread="MainThread"):
@@ -111,3 +118,51 @@ def test_the_sync_audit_counts_each_thread_s_synchronising_calls_of_the_step_onl
     counts = {(line.split()[1], line.split()[0]) for line in lines[2:]}
     assert counts == {("MainThread", "3"), ("stem-prefetch", "2")}, report
     assert all("tests/test_audits.py" in line for line in lines[2:]), report
+
+
+SANITIZED_THREAD = """
+import sys, threading, torch
+import torch.cuda._sanitizer as csan
+from torch.utils._python_dispatch import TorchDispatchMode
+from stem_megatron.host_tables.step_pipeline import RowUpdates
+
+
+class Seen(TorchDispatchMode):  # stands in for the sanitizer's dispatch mode, which needs a GPU
+    ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append((threading.current_thread().name, str(func)))
+        return func(*args, **(kwargs or {}))
+
+
+class Sanitizer:  # torch's CUDASanitizer with the mode above
+    def __init__(self):
+        self.dispatch, self.enabled = Seen(), False
+
+    def enable(self):
+        self.dispatch.__enter__()
+        self.enabled = True
+
+
+csan.cuda_sanitizer = Sanitizer()
+if sys.argv[1] == "on":
+    csan.enable_cuda_sanitizer()  # what TORCH_CUDA_SANITIZER does as torch is imported
+updates = RowUpdates(True, 1, torch.device("cpu"))
+updates.now(lambda: torch.ones(4).add_(1))
+print(sorted({op for thread, op in Seen.ops if thread.startswith("stem-adam")}), sys.getswitchinterval())
+"""
+
+
+@pytest.mark.parametrize("sanitizer", ["on", "off"])
+def test_a_host_thread_runs_under_the_cuda_sanitizer_where_the_process_does(sanitizer):
+    """Torch's CUDA sanitizer checks only the threads in its dispatch mode, and torch enters it on the importing
+    thread alone: the host threads (here CPU Adam's) enter it as they start, and stop timed thread switches, which
+    could interleave two threads inside its bookkeeping. Without it they run as they always do."""
+    proc = subprocess.run([sys.executable, "-c", SANITIZED_THREAD, sanitizer], capture_output=True, text=True,
+                          cwd=ROOT, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    ops, interval = proc.stdout.split("] ")
+    if sanitizer == "on":
+        assert ops + "]" == "['aten.add_.Tensor', 'aten.ones.default']" and float(interval) == 3600.0
+    else:
+        assert ops + "]" == "[]" and float(interval) == 0.005

@@ -69,7 +69,7 @@ def test_a_deadline_runs_what_fits_in_order_and_a_second_command_runs_only_the_r
     assert plan_part(headline, state, left - 2)[0] == ("dense",)  # the part's own start counts
     assert plan_part(headline, state, STEPS_START_S + RUN_S["1B"] - 1) == (
         None, f"not run: {STEPS_START_S + RUN_S['1B'] - 1} s left, a run needs about {RUN_S['1B']} s")
-    assert plan_part(PART["gpu tests"], state, 30.0) == (None, "not run: 30 s left, it needs about 150 s")
+    assert plan_part(PART["gpu tests"], state, 30.0) == (None, "not run: 30 s left, it needs about 200 s")
     assert plan_part(PART["gpu tests"], state, None) == ((), "")
     # what the first command measured (one run stopped by the deadline counts as not run)
     merge_records(state, [_record("1B", "dense", 2.0), _record("1B", "stem_1_3_resident_lazy", None,
@@ -134,11 +134,12 @@ def test_two_commands_in_one_lease_measure_everything_once_and_return_what_a_lea
     work, first, second = tmp_path / "work", tmp_path / "out1", tmp_path / "out2"
     until = clock.now + 570
     assert gpu_check.main(["--out", str(first), "--work", str(work), "--until", str(until)]) == 0
-    # 10 s kept for the summary, 150 s of tests, 1B's four runs (20 + 4 x 75), the layer (45), none of the rest in 45 s
-    assert ran == [("gpu tests", ()), ("1B headline", HEADLINE["1B"]), ("layer", ())]
+    # 10 s kept for the summary, 200 s of tests, 1B's four runs (20 + 4 x 75), none of the rest in 40 s
+    assert ran == [("gpu tests", ()), ("1B headline", HEADLINE["1B"])]
     text = (first / "summary.md").read_text()
-    assert "| 350M headline | not run: 45 s left, a run needs about 55 s | - | - |" in text
-    assert "| stem-doctor | not run: 45 s left, it needs about 90 s | - | - |" in text
+    assert "| layer | not run: 40 s left, it needs about 45 s | - | - |" in text
+    assert "| 350M headline | not run: 40 s left, a run needs about 55 s | - | - |" in text
+    assert "| stem-doctor | not run: 40 s left, it needs about 90 s | - | - |" in text
     assert "| 1B STEM-1/3 working set, lazy / dense | 0.90x | 1.00x | 0.95x | yes |" in text
     assert "| 1B STEM-1/3 working set within dense + 10%, peak / dense peak | 1.00x | 1.10x | - | yes |" in text
     assert "350M STEM-1/3 working set, lazy / dense | - (stem_1_3_resident_lazy: not run)" in text
@@ -146,13 +147,14 @@ def test_two_commands_in_one_lease_measure_everything_once_and_return_what_a_lea
     ran.clear()
     until = clock.now + 1000
     assert gpu_check.main(["--out", str(second), "--work", str(work), "--until", str(until), "--resume"]) == 0
-    # 990 s: 350M's headline (185), the others at 1B (395) and 350M (350); 60 s: no doctor
-    assert ran == [("350M headline", HEADLINE["350M"]), ("1B others", OTHERS["1B"]), ("350M others", OTHERS["350M"])]
+    # 990 s: the layer (45), 350M's headline (185), the others at 1B (395) and 350M (350); 15 s: no doctor
+    assert ran == [("layer", ()), ("350M headline", HEADLINE["350M"]), ("1B others", OTHERS["1B"]),
+                   ("350M others", OTHERS["350M"])]
     saved = json.loads((second / "gpu_step.json").read_text())
     assert sorted((r["model"], r["variant"]) for r in saved["records"]) == sorted(
         (m, v) for m in ("1B", "350M") for v in HEADLINE[m] + OTHERS[m])
     text = (second / "summary.md").read_text()
-    assert "| gpu tests | ok | 1 | 150 |" in text and "| stem-doctor | not run: 60 s left, it needs about 90 s" in text
+    assert "| gpu tests | ok | 1 | 200 |" in text and "| stem-doctor | not run: 15 s left, it needs about 90 s" in text
     assert "| 350M STEM layer / dense FFN, forward + backward | 0.70x | 0.75x | 0.67x | yes |" in text
     assert len(list(second.iterdir())) <= 8
 

@@ -90,7 +90,7 @@ class Part:
 
 
 PARTS = (
-    Part("gpu tests", "tests", "gpu_tests.log", 150, 240),
+    Part("gpu tests", "tests", "gpu_tests.log", 200, 300),
     Part("1B headline", "steps", "gpu_step.log", model="1B", variants=HEADLINE["1B"]),
     Part("layer", "layer", "layer.log", 45, 120),
     Part("350M headline", "steps", "gpu_step.log", model="350M", variants=HEADLINE["350M"]),

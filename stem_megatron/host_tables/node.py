@@ -22,6 +22,8 @@ from typing import Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from stem_megatron.host_tables.stream_sanitizer import enter_sanitizer
+
 SHM_DIR = "/dev/shm"
 
 
@@ -72,7 +74,8 @@ def host_threads(device: torch.device) -> int:
 def enter_host_thread(threads: int, device: torch.device) -> None:
     """First call of a rank's host thread (prefetch, CPU Adam): its own OpenMP team (``host_threads``), and on GPU
     the rank's device, since a new thread starts on GPU 0 and its first CUDA call (an event's wait) would open a
-    context there, on every rank of the node."""
+    context there, on every rank of the node. Where torch's CUDA sanitizer runs, the thread runs under it too."""
+    enter_sanitizer()
     torch.set_num_threads(threads)
     if device.type == "cuda":
         torch.cuda.set_device(device)
