@@ -11,7 +11,9 @@ device copies instead of host memory. Training (``store``) and inference (``read
 ``fetch_rows``.
 
 The other way, a step's row gradients land in pinned host buffers (``pinned.DeviceToHost``), copied on a
-side stream that the CPU optimizer's thread waits for, never the training thread.
+side stream during the backward, layer by layer. With host tables the training thread waits for a layer's copy
+(``pinned.landed``) where the clip scales or CPU Adam reads its gradients (``store.scale_gradients``,
+``store.step``), after the step's gradient norm has already waited for the backward.
 """
 
 from __future__ import annotations
