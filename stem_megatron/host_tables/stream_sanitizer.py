@@ -16,14 +16,10 @@ SANITIZER = "torch.cuda._sanitizer"  # imported by torch itself where TORCH_CUDA
 SERIAL_SWITCH_S = 3600.0  # no timed thread switches in a sanitized process
 
 
-def sanitizing() -> bool:
-    """Whether this process runs torch's CUDA sanitizer (from the environment, or ``enable_cuda_sanitizer``)."""
-    module = sys.modules.get(SANITIZER)
-    return module is not None and module.cuda_sanitizer.enabled
-
-
 def enter_sanitizer() -> None:
-    """A new thread's first call: where the process runs the sanitizer, this thread's kernels are checked too."""
-    if sanitizing():
+    """A new thread's first call: where the process runs the sanitizer (from the environment, or
+    ``enable_cuda_sanitizer``), this thread's kernels are checked too."""
+    module = sys.modules.get(SANITIZER)
+    if module is not None and module.cuda_sanitizer.enabled:
         sys.setswitchinterval(SERIAL_SWITCH_S)
-        sys.modules[SANITIZER].enable_cuda_sanitizer()
+        module.enable_cuda_sanitizer()
