@@ -67,6 +67,14 @@ def corpus(source_dir, tmp_path_factory):
     return out
 
 
+@pytest.fixture(scope="session")
+def runs(corpus, tmp_path_factory):
+    """The session's finished training runs (``tests/runs.py``), shared by the tests that compare against them."""
+    from runs import Runs
+
+    return Runs(corpus, tmp_path_factory.mktemp("runs"))
+
+
 @pytest.fixture(autouse=True)
 def _own_rendezvous_env(monkeypatch):
     """A test that loads a model in the pytest process starts a world of one there, which sets MASTER_PORT and

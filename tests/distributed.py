@@ -21,7 +21,7 @@ import torch
 import torch.multiprocessing as mp
 from torch.distributed.elastic.utils.distributed import get_free_port
 
-multiprocessing.set_forkserver_preload(["torch", "megatron.core", "stem_megatron.training.loop"])
+multiprocessing.set_forkserver_preload(["torch", "megatron.core", "stem_megatron.training.loop", "stem_megatron.recipes"])
 
 
 def _worker(rank, env, world, port, tp, pp, ep, seed, fn, args, out_dir):
