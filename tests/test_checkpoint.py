@@ -1,5 +1,5 @@
 """Checkpoints: exact resume (TP=2 host tables, PP=2 device tables), resume under another DP, TP or PP size,
-a save killed by SIGKILL, damaged checkpoints, and the single-process export."""
+a save killed by SIGKILL, damaged checkpoints, and the single-process export. The runs: tests/runs.py."""
 
 import contextlib
 import json
@@ -14,48 +14,16 @@ from types import SimpleNamespace
 import distributed
 import pytest
 import torch
-from conftest import VOCAB
+from runs import STEPS, Run, copy_stopped, overrides_of, train
 
 from stem_megatron.checkpoint import atomic
 from stem_megatron.checkpoint.atomic import CheckpointError
 
 
-def _train(corpus, out_dir, *overrides, nproc=2, parallel="tp2", steps=20, check=True):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "-m",
-           "stem_megatron.train", f"parallel={parallel}", "variant=stem_1_3", "model.num_layers=3",
-           "model.seq_length=32", f"model.vocab_size={VOCAB}", f"data.vocab_size={VOCAB}", f"data.dir={corpus}",
-           f"out_dir={out_dir}", f"train.steps={steps}", "train.micro_batch_size=2", "train.global_batch_size=4",
-           *overrides]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    if check:
-        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    return proc
-
-
-def _as_if_stopped_after(run: Path, step: int, copy: Path) -> None:
-    """``copy``: ``run`` as a run stopped after its save at ``step`` would have left it (no later checkpoint, no
-    export, ``latest`` naming ``step``). Its later metrics stay: a resumed run drops those after its checkpoint.
-    Saves a test the launch that would repeat the straight run's first steps."""
-    shutil.copytree(run, copy, ignore=shutil.ignore_patterns("export"))
-    root = copy / "checkpoints"
-    for later in root.glob("step_*"):
-        if int(later.name.removeprefix("step_")) > step:
-            shutil.rmtree(later)
-    (root / "latest").write_text(f"step_{step:06d}\n")
-
-
-def _metrics(out_dir):
-    return [json.loads(line) for line in (Path(out_dir) / "metrics.jsonl").read_text().splitlines()]
-
-
-def _weights(export_dir):
-    return torch.load(Path(export_dir) / "model.pt", weights_only=True)["weights"]
-
-
-def _assert_same_run(a, b, exact=True):
-    ra, rb = _metrics(a), _metrics(b)
-    assert [r["step"] for r in ra] == [r["step"] for r in rb] == list(range(1, 21))
-    wa, wb = _weights(Path(a) / "export"), _weights(Path(b) / "export")
+def _assert_same_run(a: Run, b: Run, exact=True):
+    ra, rb = a.metrics, b.metrics
+    assert [r["step"] for r in ra] == [r["step"] for r in rb] == list(range(1, STEPS + 1))
+    wa, wb = a.weights(), b.weights()
     assert wa.keys() == wb.keys() and any(".U_l." in k for k in wa)
     if exact:
         assert [r["loss"] for r in ra] == [r["loss"] for r in rb]
@@ -72,60 +40,61 @@ def _assert_same_run(a, b, exact=True):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("parallel,placement,layers", [("tp2", "host", 3), ("pp2", "device", 4)])
-def test_resume_equals_straight_run(corpus, tmp_path, parallel, placement, layers):
-    """10 steps, stop, resume 10 steps == 20 straight steps: losses, grad norms, LR and every weight
-    (host-resident tables and their Adam state included) bitwise on CPU."""
-    common = [f"stem.placement={placement}", f"model.num_layers={layers}", "checkpoint.save_interval=5",
-              "checkpoint.export=${out_dir}/export"]
-    _train(corpus, tmp_path / "straight", *common, parallel=parallel)
-    _train(corpus, tmp_path / "resumed", *common, "train.exit_after_steps=10", parallel=parallel)
-    ckpts = tmp_path / "resumed" / "checkpoints"
-    assert (ckpts / "latest").read_text().strip() == "step_000010"
-    assert [p.name for p in atomic.complete_checkpoints(ckpts)] == ["step_000005", "step_000010"]
-    assert not (tmp_path / "resumed" / "export").exists()  # the run is not finished yet
-    second = _train(corpus, tmp_path / "resumed", *common, parallel=parallel)
-    assert "resumed from" in second.stdout and "after step 10" in second.stdout
-    _assert_same_run(tmp_path / "straight", tmp_path / "resumed")
-    assert [p.name for p in atomic.complete_checkpoints(ckpts)] == ["step_000015", "step_000020"]  # keep=2
+def test_resume_equals_straight_run(runs, tmp_path, parallel, placement, layers):
+    """4 steps, stop, resume 4 steps == 8 straight steps: losses, grad norms, LR and every weight
+    (host-resident tables and their Adam state included) bitwise on CPU. The resumed run saves every 2 steps and
+    keeps the newest 2 complete checkpoints."""
+    common = [f"parallel={parallel}", f"stem.placement={placement}", f"model.num_layers={layers}"]
+    straight = runs.shared(*common, nproc=2)
+    train(runs.corpus, tmp_path, *common, "train.exit_after_steps=4", nproc=2)
+    ckpts = tmp_path / "checkpoints"
+    assert (ckpts / "latest").read_text().strip() == "step_000004"
+    assert [p.name for p in atomic.complete_checkpoints(ckpts)] == ["step_000004"]
+    assert not (tmp_path / "export").exists()  # the run is not finished yet
+    second = train(runs.corpus, tmp_path, *common, "checkpoint.save_interval=2", nproc=2)
+    assert "resumed from" in second.stdout and "after step 4" in second.stdout
+    _assert_same_run(straight, second)
+    assert [p.name for p in atomic.complete_checkpoints(ckpts)] == ["step_000006", "step_000008"]  # keep=2
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("saved,resumed,nproc,layers", [("dp2", "single", 1, 3), ("pp2", "tp2", 2, 4)])
-def test_resume_under_another_layout(corpus, tmp_path, saved, resumed, nproc, layers):
+def test_resume_under_another_layout(runs, tmp_path, saved, resumed, nproc, layers):
     """A DP=2 run (distributed optimizer) resumed on one process, and a PP=2 run resumed at PP=1 x TP=2
     (host tables split into TP column blocks), continue the same trajectory: losses and every weight and
     table row within 1e-4."""
-    common = ["stem.placement=host", f"model.num_layers={layers}", "checkpoint.export=${out_dir}/export"]
-    _train(corpus, tmp_path / "straight", *common, "checkpoint.save_interval=10", parallel=saved)
-    _as_if_stopped_after(tmp_path / "straight", 10, tmp_path / "resumed")
-    proc = _train(corpus, tmp_path / "resumed", *common, nproc=nproc, parallel=resumed)
-    assert "step_000010 after step 10" in proc.stdout  # continued, not started afresh at the new layout
-    _assert_same_run(tmp_path / "straight", tmp_path / "resumed", exact=False)
+    straight = runs.shared(f"parallel={saved}", "stem.placement=host", f"model.num_layers={layers}", nproc=2)
+    copy_stopped(straight, 4, tmp_path)
+    run = train(runs.corpus, tmp_path, f"parallel={resumed}", "stem.placement=host", f"model.num_layers={layers}",
+                nproc=nproc)
+    assert "step_000004 after step 4" in run.stdout  # continued, not started afresh at the new layout
+    _assert_same_run(straight, run, exact=False)
 
 
 @pytest.mark.slow
-def test_resume_with_many_ddp_buckets_equals_straight_run(corpus, tmp_path):
+def test_resume_with_many_ddp_buckets_equals_straight_run(runs, tmp_path):
     """``parallel.ddp_bucket_size=5000``: every gradient buffer in several buckets, each padded to a multiple of
-    128 elements. The distributed optimizer's state saved at DP=2 after 10 of 20 steps, resumed at DP=2 (bitwise
+    128 elements. The distributed optimizer's state saved at DP=2 after 4 of 8 steps, resumed at DP=2 (bitwise
     the straight run: losses, grad norms, LR, every weight) and at TP=2 (within 1e-4). Without
     ``checkpoint/bucket_offsets.py`` megatron-core 0.19.2 saves each parameter after the first bucket with
     another's fp32 master and Adam moments, and the resumed runs part from the straight one. The straight run and the
     interrupted one overlap their DP communication (each bucket reduced from backward, the weights all-gathered by
     the next forward), the resumed one does not: at DP=2 each sum is of the same two numbers. Between an optimizer
-    step and that forward a rank's weights are current only in its DP shard: the save at step 10 and the straight
+    step and that forward a rank's weights are current only in its DP shard: the save at step 4 and the straight
     run's export (no checkpoint, no validation before it) gather them first."""
-    common = ["stem.placement=device", "model.hidden_size=120", "model.ffn_hidden_size=360",  # not multiples of 128
-              "parallel.ddp_bucket_size=5000", "checkpoint.export=${out_dir}/export", "train.eval_iters=0"]
+    common = ["parallel=dp2", "stem.placement=device", "model.hidden_size=120",
+              "model.ffn_hidden_size=360", "parallel.ddp_bucket_size=5000"]  # not multiples of 128
     overlap = ["parallel.overlap_grad_reduce=true", "parallel.overlap_param_gather=true"]
-    _train(corpus, tmp_path / "straight", *common, *overlap, "checkpoint.save=false", parallel="dp2")
-    _train(corpus, tmp_path / "resumed", *common, *overlap, "train.exit_after_steps=10", parallel="dp2")
-    (stale,) = distributed.run(_weights_unlike_their_masters, 1, tmp_path / "resumed" / "checkpoints" / "step_000010")
+    straight = train(runs.corpus, tmp_path / "straight", *common, *overlap, "train.eval_iters=0",
+                     "checkpoint.save_interval=0", "checkpoint.save=false", nproc=2)
+    resumed = tmp_path / "resumed"
+    train(runs.corpus, resumed, *common, *overlap, "train.exit_after_steps=4", nproc=2)
+    (stale,) = distributed.run(_weights_unlike_their_masters, 1, resumed / "checkpoints" / "step_000004")
     assert stale == []  # a resume alone would not show stale weights: it loads the masters over them
-    shutil.copytree(tmp_path / "resumed", tmp_path / "relaid")
-    _train(corpus, tmp_path / "resumed", *common, parallel="dp2")
-    _assert_same_run(tmp_path / "straight", tmp_path / "resumed")
-    _train(corpus, tmp_path / "relaid", *common, *overlap, parallel="tp2")
-    _assert_same_run(tmp_path / "straight", tmp_path / "relaid", exact=False)
+    shutil.copytree(resumed, tmp_path / "relaid")
+    _assert_same_run(straight, train(runs.corpus, resumed, *common, nproc=2))
+    relaid = train(runs.corpus, tmp_path / "relaid", "parallel=tp2", *common[1:], *overlap, nproc=2)
+    _assert_same_run(straight, relaid, exact=False)
 
 
 def _weights_unlike_their_masters(checkpoint: Path) -> list[str]:
@@ -164,7 +133,7 @@ from stem_megatron.checkpoint import host_tables
 from stem_megatron import train
 
 def killed(store, directory):  # dense state written, tables not: die mid-save
-    if "step_000010" in str(directory):
+    if "step_000006" in str(directory):
         os.kill(os.getpid(), signal.SIGKILL)
     real(store, directory)
 
@@ -175,17 +144,17 @@ if __name__ == "__main__":  # megatron's checkpoint writer starts worker process
 
 
 @pytest.mark.slow
-def test_run_killed_mid_save_leaves_previous_checkpoint_loadable(corpus, tmp_path):
+def test_run_killed_mid_save_leaves_previous_checkpoint_loadable(runs, tmp_path):
+    """``stem-train`` killed (SIGKILL) while it saves after step 6: the step-3 checkpoint stays the one a rerun
+    resumes from, and the rerun's metrics replace the killed attempt's later steps."""
     script = tmp_path / "killed_save.py"
     script.write_text(_KILLED_SAVE)
     out = tmp_path / "run"
-    args = ["parallel=single", "stem.placement=host", "checkpoint.save_interval=5", "model.num_layers=3",
-            "model.seq_length=32", f"model.vocab_size={VOCAB}", f"data.vocab_size={VOCAB}", f"data.dir={corpus}",
-            f"out_dir={out}", "train.steps=12", "train.micro_batch_size=2", "train.global_batch_size=2"]
+    setting = ("parallel=single", "checkpoint.save_interval=3")
     log = tmp_path / "killed.log"
     with open(log, "w") as out_file:  # files, not pipes: megatron's writer leaves a helper process
-        proc = subprocess.Popen([sys.executable, str(script), *args], stdout=out_file, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        proc = subprocess.Popen([sys.executable, str(script), *overrides_of(runs.corpus, out, *setting)],
+                                stdout=out_file, stderr=subprocess.STDOUT, start_new_session=True)
         try:
             returncode = proc.wait(timeout=600)
         finally:  # what a job scheduler does after a kill: end the whole process group
@@ -193,15 +162,13 @@ def test_run_killed_mid_save_leaves_previous_checkpoint_loadable(corpus, tmp_pat
                 os.killpg(proc.pid, signal.SIGKILL)
     assert returncode == -signal.SIGKILL, log.read_text()[-3000:]
     ckpts = out / "checkpoints"
-    assert (ckpts / ".tmp-step_000010" / "dense").is_dir()  # the killed save got that far
-    assert (ckpts / "latest").read_text().strip() == "step_000005"
-    resumed = subprocess.run([sys.executable, "-m", "stem_megatron.train", *args], capture_output=True,
-                             text=True, timeout=600)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "after step 5" in resumed.stdout
-    assert [r["step"] for r in _metrics(out)] == list(range(1, 13))  # the killed attempt's 6..10 replaced
-    assert (ckpts / "latest").read_text().strip() == "step_000012"
-    assert not (ckpts / ".tmp-step_000010").exists()  # leftovers are not kept around
+    assert (ckpts / ".tmp-step_000006" / "dense").is_dir()  # the killed save got that far
+    assert (ckpts / "latest").read_text().strip() == "step_000003"
+    resumed = train(runs.corpus, out, *setting)
+    assert "after step 3" in resumed.stdout
+    assert [r["step"] for r in resumed.metrics] == list(range(1, STEPS + 1))  # the killed attempt's 4..6 replaced
+    assert (ckpts / "latest").read_text().strip() == f"step_{STEPS:06d}"
+    assert not (ckpts / ".tmp-step_000006").exists()  # leftovers are not kept around
 
 
 def _damage(checkpoint: Path, how: str) -> str:
@@ -214,46 +181,46 @@ def _damage(checkpoint: Path, how: str) -> str:
     return "CRC32"
 
 
-DAMAGED = ["stem.placement=host", "model.num_layers=2", "checkpoint.fallback=false"]
+DAMAGED = ("parallel=single", "model.num_layers=2", "checkpoint.fallback=false")
 
 
 @pytest.fixture(scope="module")
-def saved_run(corpus, tmp_path_factory):
-    """A run that saved after step 3, trained once for every kind of damage done to copies of it."""
-    out = tmp_path_factory.mktemp("saved") / "run"
-    _train(corpus, out, *DAMAGED, nproc=1, parallel="single", steps=3)
-    return out
+def saved_run(runs, tmp_path_factory):
+    """A run that saved after step 4, trained once for every kind of damage done to copies of it."""
+    return train(runs.corpus, tmp_path_factory.mktemp("saved") / "run", *DAMAGED, "train.exit_after_steps=4").out_dir
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("how", ["truncate", "flip"])
-def test_damaged_checkpoint_is_reported_and_not_loaded(corpus, saved_run, tmp_path, how):
-    """checkpoint.fallback=false: a damaged checkpoint stops the run, naming the file and the damage."""
+@pytest.mark.parametrize("how,launch", [("truncate", "stem-train"), ("flip", "in-process")])
+def test_damaged_checkpoint_is_reported_and_not_loaded(runs, saved_run, tmp_path, how, launch):
+    """checkpoint.fallback=false: a damaged checkpoint stops the run, naming the file and the damage, in one line
+    (``stem-train`` itself, and its function as tests/runs.py runs it)."""
     out = tmp_path / "run"
     shutil.copytree(saved_run, out)
-    expected = _damage(out / "checkpoints" / "step_000003", how)
-    proc = _train(corpus, out, *DAMAGED, nproc=1, parallel="single", steps=6, check=False)
+    expected = _damage(out / "checkpoints" / "step_000004", how)
+    if launch == "stem-train":
+        proc = subprocess.run([sys.executable, "-m", "stem_megatron.train", *overrides_of(runs.corpus, out, *DAMAGED)],
+                              capture_output=True, text=True, timeout=600)
+    else:
+        proc = train(runs.corpus, out, *DAMAGED, check=False)
     assert proc.returncode == 1 and "stem_megatron/" not in proc.stderr, proc.stderr[-3000:]  # no traceback of ours
-    assert f"error: checkpoint {out / 'checkpoints' / 'step_000003'} is damaged" in proc.stderr
+    assert f"error: checkpoint {out / 'checkpoints' / 'step_000004'} is damaged" in proc.stderr
     assert expected in proc.stderr and ".distcp" in proc.stderr
-    assert (out / "checkpoints" / "step_000003").is_dir()  # nothing saved is deleted
+    assert (out / "checkpoints" / "step_000004").is_dir()  # nothing saved is deleted
 
 
 @pytest.mark.slow
-def test_damaged_newest_checkpoint_falls_back_to_the_newest_intact_one(corpus, tmp_path):
+def test_damaged_newest_checkpoint_falls_back_to_the_newest_intact_one(runs, tmp_path):
     """A requeued job whose newest checkpoint is damaged reports it, resumes from the newest intact one and
     trains the same losses as an uninterrupted run; the damaged checkpoint stays on disk until replaced."""
-    common = ["stem.placement=host", "model.num_layers=2", "checkpoint.save_interval=2", "checkpoint.keep=0"]
-    straight = tmp_path / "straight"
-    _train(corpus, straight, *common, nproc=1, parallel="single", steps=6)
-    out = tmp_path / "run"
-    _as_if_stopped_after(straight, 4, out)
-    _damage(out / "checkpoints" / "step_000004", "flip")
-    proc = _train(corpus, out, *common, nproc=1, parallel="single", steps=6)
-    assert f"checkpoint {out / 'checkpoints' / 'step_000004'} is damaged" in proc.stderr
-    assert "resumed from" in proc.stdout and "step_000002 after step 2" in proc.stdout
-    assert [r["loss"] for r in _metrics(out)] == [r["loss"] for r in _metrics(straight)]
-    assert [r["step"] for r in _metrics(out)] == list(range(1, 7))
+    straight = runs.shared("parallel=single")
+    copy_stopped(straight, STEPS, tmp_path)
+    _damage(tmp_path / "checkpoints" / f"step_{STEPS:06d}", "flip")
+    run = train(runs.corpus, tmp_path, "parallel=single")
+    assert f"checkpoint {tmp_path / 'checkpoints' / f'step_{STEPS:06d}'} is damaged" in run.stderr
+    assert "resumed from" in run.stdout and "step_000004 after step 4" in run.stdout
+    assert [r["loss"] for r in run.metrics] == [r["loss"] for r in straight.metrics]
+    assert [r["step"] for r in run.metrics] == list(range(1, STEPS + 1))
 
 
 def _resolve_cases(root):
@@ -327,8 +294,8 @@ def test_metrics_of_a_resumed_run_continue_and_a_fresh_run_starts_a_new_file(tmp
 
     write(range(1, 8))  # killed after step 7, checkpoint at step 5
     write(range(6, 10), resume_step=5)
-    assert [r["step"] for r in _metrics(tmp_path)] == list(range(1, 10))
+    assert [r["step"] for r in Run(tmp_path).metrics] == list(range(1, 10))
     write(range(1, 3))  # a new run in the same directory
-    assert [r["step"] for r in _metrics(tmp_path)] == [1, 2]
+    assert [r["step"] for r in Run(tmp_path).metrics] == [1, 2]
     assert [json.loads(line)["step"] for line in (tmp_path / "metrics.1.jsonl").read_text().splitlines()] == list(
         range(1, 10))

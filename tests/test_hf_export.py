@@ -109,16 +109,10 @@ def _score_both(export: Path, hf_dir: Path) -> dict:
 
 
 @pytest.mark.slow
-def test_a_tp2_pp2_run_exports_to_transformers_and_lm_eval(corpus, tmp_path, monkeypatch):
-    """4 ranks (TP=2 x PP=2), STEM-1/3 with host tables, 3 steps, exported; ``stem-export-hf`` on the export."""
-    run = tmp_path / "run"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4", "-m", "stem_megatron.train",
-           "parallel.tensor_model_parallel_size=2", "parallel.pipeline_model_parallel_size=2", "variant=stem_1_3",
-           "model.num_layers=4", "model.seq_length=32", f"model.vocab_size={VOCAB}", f"data.vocab_size={VOCAB}",
-           f"data.dir={corpus}", "train.steps=3", "train.micro_batch_size=2", "train.global_batch_size=4",
-           "train.eval_iters=0", "checkpoint.save=false", f"out_dir={run}", f"checkpoint.export={run}/export"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=ROOT)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+def test_a_tp2_pp2_run_exports_to_transformers_and_lm_eval(runs, tmp_path, monkeypatch):
+    """4 ranks (TP=2 x PP=2), STEM-1/3 with host tables, 8 steps, exported (tests/runs.py); ``stem-export-hf`` on
+    the export."""
+    run = runs.shared("parallel=tp2", "parallel.pipeline_model_parallel_size=2", "model.num_layers=4", nproc=4).out_dir
     proc = subprocess.run([sys.executable, "-m", "stem_megatron.export.hf.cli", str(run / "export"),
                            str(tmp_path / "hf")], capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]

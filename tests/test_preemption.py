@@ -16,17 +16,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import VOCAB
+from runs import STEPS, Run, overrides_of, train
 from torch.distributed.elastic.utils.distributed import get_free_port
 
-STEPS = 12
+LOG = 2  # the stopped run's train.log_interval: a signal is sent once its first step line is written
 
 
 def _cmd(corpus, out_dir, parallel, nnodes=1, nproc=1, *overrides):
-    train = ["-m", "stem_megatron.train", f"parallel={parallel}", "variant=stem_1_3", "model.num_layers=3",
-             "model.seq_length=32", f"model.vocab_size={VOCAB}", f"data.vocab_size={VOCAB}", f"data.dir={corpus}",
-             f"out_dir={out_dir}", f"train.steps={STEPS}", "train.micro_batch_size=2", "train.global_batch_size=4",
-             "train.log_interval=4", "checkpoint.export=${out_dir}/export", *overrides]
+    train = ["-m", "stem_megatron.train", *overrides_of(corpus, out_dir, f"parallel={parallel}",
+                                                        f"train.log_interval={LOG}", *overrides)]
     if parallel == "single":
         return [sys.executable, *train]
     return [sys.executable, "-m", "stem_megatron.torchrun", f"--nnodes={nnodes}", f"--nproc_per_node={nproc}",
@@ -62,15 +60,11 @@ def _workers(agent) -> list[int]:
     return children
 
 
-def _metrics(out_dir):
-    return [json.loads(line) for line in (Path(out_dir) / "metrics.jsonl").read_text().splitlines()]
-
-
-def _stop_and_resume(corpus, tmp_path, parallel, nnodes, nproc, sig, target):
-    """An uninterrupted run; the same run sent ``sig`` once its first logged step (4) is written; its rerun."""
-    straight, out = tmp_path / "straight", tmp_path / "stopped"
-    cmd = _cmd(corpus, straight, parallel, nnodes, nproc)
-    _finish([_start(cmd) for _ in range(nnodes)], [0] * nnodes)
+def _stop_and_resume(runs, tmp_path, parallel, nnodes, nproc, sig, target):
+    """The same run as the uninterrupted one, launched and sent ``sig`` once its first logged step (2) is written;
+    its rerun."""
+    corpus, out = runs.corpus, tmp_path / "stopped"
+    straight = runs.shared(f"parallel={parallel}", nodes=nnodes, nproc=nproc)
     cmd = _cmd(corpus, out, parallel, nnodes, nproc)  # the nodes of one run meet at one rendezvous port
     agents = [_start(cmd) for _ in range(nnodes)]
     deadline = time.monotonic() + 300
@@ -86,13 +80,13 @@ def _stop_and_resume(corpus, tmp_path, parallel, nnodes, nproc, sig, target):
     stdout, _ = _finish(agents, codes)
     # the operator's view (training/run_summary.py) at start and in a step line
     assert f"layout: {nnodes} node(s) x {nproc} CPU rank(s)" in stdout and "\nmemory plan: " in stdout
-    assert re.search(r"\nstep +4/12 .* tokens/s \d+  mem [\d.]+ GiB  eta \d+m\d\ds\n", stdout), stdout
+    assert re.search(rf"\nstep +{LOG}/{STEPS} .* tokens/s \d+  mem [\d.]+ GiB  eta \d+m\d\ds\n", stdout), stdout
     stopped = json.loads((out / "stopped.json").read_text())
     step = stopped["step"]
-    assert 4 <= step < STEPS and stopped["signal"] == sig.name, stopped
+    assert LOG <= step < STEPS and stopped["signal"] == sig.name, stopped
     assert f"stopped after step {step} on {sig.name}" in stdout
     assert (out / "checkpoints" / "latest").read_text().strip() == f"step_{step:06d}"
-    assert _metrics(out)[-1]["step"] == step  # the stop's step is logged although not a 4th one
+    assert Run(out).metrics[-1]["step"] == step  # the stop's step is logged although not a 2nd one
     assert not (out / "export").exists()
 
     cmd = _cmd(corpus, out, parallel, nnodes, nproc)
@@ -100,15 +94,14 @@ def _stop_and_resume(corpus, tmp_path, parallel, nnodes, nproc, sig, target):
     stdout, stderr = _finish(rerun, [0] * nnodes)
     assert f"after step {step}" in stdout and not (out / "stopped.json").exists()
     assert "Warning" not in stderr, stderr  # torch's notices on megatron's checkpoint load: quiet.py
-    a, b = _metrics(straight), _metrics(out)
-    assert [r["step"] for r in b] == sorted({*range(4, STEPS + 1, 4), step}), "a step was redone or skipped"
+    a, b = straight.metrics, Run(out).metrics
+    assert [r["step"] for r in b] == sorted({*range(LOG, STEPS + 1, LOG), step}), "a step was redone or skipped"
     by_step = {r["step"]: r for r in a}
     for r in b:
         if r["step"] in by_step:
             for key in ("loss", "grad_norm", "lr"):
                 assert r[key] == by_step[r["step"]][key], (r["step"], key)
-    wa = torch.load(straight / "export" / "model.pt", weights_only=True)["weights"]
-    wb = torch.load(out / "export" / "model.pt", weights_only=True)["weights"]
+    wa, wb = straight.weights(), Run(out).weights()
     assert wa.keys() == wb.keys() and any(".U_l." in k for k in wa)
     for k in wa:
         assert torch.equal(wa[k], wb[k]), k
@@ -121,8 +114,10 @@ def _stop_and_resume(corpus, tmp_path, parallel, nnodes, nproc, sig, target):
     ("dp2", 2, 1, signal.SIGUSR1, "worker of node 0"),  # node 1's rank learns of it from the all-reduce
 ])
 def test_a_signal_mid_run_saves_where_every_rank_agrees_and_the_rerun_redoes_no_step(
-        corpus, tmp_path, parallel, nnodes, nproc, sig, target):
-    _stop_and_resume(corpus, tmp_path, parallel, nnodes, nproc, sig, target)
+        runs, tmp_path, parallel, nnodes, nproc, sig, target):
+    """Stopped under the launcher it names, the run resumes bitwise as the uninterrupted one (tests/runs.py's, the
+    same run without the launcher: torchrun changes no bit)."""
+    _stop_and_resume(runs, tmp_path, parallel, nnodes, nproc, sig, target)
 
 
 def _signals_script(deadline_s: float, second_after_s: float) -> list[str]:
@@ -154,12 +149,9 @@ def test_a_second_signal_or_the_deadline_exits_at_once(deadline_s, second_after_
 
 
 @pytest.mark.slow
-def test_saves_by_time_land_on_one_step(corpus, tmp_path):
+def test_saves_by_time_land_on_one_step(runs, tmp_path):
     """``checkpoint.save_interval_min`` tiny: due after every step, agreed one step later, so steps 2-4 save (the
-    decision of step 1's end arrives at step 2's), and no step saves twice."""
-    out = tmp_path / "run"
-    proc = subprocess.run(_cmd(corpus, out, "dp2", 1, 2, "train.steps=4", "checkpoint.save_interval_min=1e-6"),
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    saved = [line.rsplit("/", 1)[-1] for line in proc.stdout.splitlines() if line.startswith("saved checkpoint")]
-    assert saved == ["step_000002", "step_000003", "step_000004"], proc.stdout
+    decision of step 1's end arrives at step 2's), and no step saves twice (step 4 is also due by its interval)."""
+    run = train(runs.corpus, tmp_path, "parallel=dp2", "train.steps=4", "checkpoint.save_interval_min=1e-6", nproc=2)
+    saved = [line.rsplit("/", 1)[-1] for line in run.stdout.splitlines() if line.startswith("saved checkpoint")]
+    assert saved == ["step_000002", "step_000003", "step_000004"], run.stdout

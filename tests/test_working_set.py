@@ -336,26 +336,24 @@ def test_a_dense_set_loads_ahead_only_until_the_step_before_begins_its_update():
 
 
 @pytest.mark.slow
-def test_a_run_with_a_working_set_resumes_exactly_and_equals_the_host_step(corpus, tmp_path):
+def test_a_run_with_a_working_set_resumes_exactly_and_equals_the_host_step(runs, tmp_path):
     """The training loop at TP=2: 8 steps with the host step, and 4 + 4 with a working set stopped and resumed from
     its step-4 checkpoint, validating at steps 4 and 8. Losses, grad norms, validation losses and every exported
     weight (U_l included) are bitwise equal: the checkpoint and the export read the set's rows written back."""
-    from test_checkpoint import _metrics, _train, _weights
+    from runs import train
 
-    common = ["train.steps=8", "train.eval_interval=4", "train.eval_iters=1", "checkpoint.save_interval=4",
-              "checkpoint.export=${out_dir}/export"]
-    _train(corpus, tmp_path / "host", *common, "stem.resident_rows=0", steps=8)
-    resident = [*common, "stem.resident_rows=16"]  # ~40 distinct ids a step: the set grows, then rows leave
-    first = _train(corpus, tmp_path / "resident", *resident, "train.exit_after_steps=4", steps=8)
+    host = runs.shared("parallel=tp2", nproc=2)
+    resident = ("parallel=tp2", "stem.resident_rows=16")  # ~40 distinct ids a step: the set grows, then rows leave
+    first = train(runs.corpus, tmp_path, *resident, "train.exit_after_steps=4", nproc=2)
     assert "working set grows" in first.stdout
-    second = _train(corpus, tmp_path / "resident", *resident, steps=8)
+    second = train(runs.corpus, tmp_path, *resident, nproc=2)
     assert "resumed from" in second.stdout
-    host, ws = _metrics(tmp_path / "host"), _metrics(tmp_path / "resident")
+    ws = second.metrics
     for key in ("step", "loss", "grad_norm", "valid_loss"):
-        assert [r.get(key) for r in ws] == [r.get(key) for r in host], key
-    assert sum("valid_loss" in r for r in host) == 2
+        assert [r.get(key) for r in ws] == [r.get(key) for r in host.metrics], key
+    assert sum("valid_loss" in r for r in host.metrics) == 2
     assert sum(r.get("stem_rows_left", 0) for r in ws) > 0
-    a, b = _weights(tmp_path / "host" / "export"), _weights(tmp_path / "resident" / "export")
+    a, b = host.weights(), second.weights()
     assert a.keys() == b.keys() and any(".U_l." in k for k in a)
     for k in a:
         assert torch.equal(a[k], b[k]), k
