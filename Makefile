@@ -1,10 +1,11 @@
-# Entry points for a fresh machine (see README). `make demo` trains; `make test` runs every test.
+# Entry points for a fresh machine (see README). `make demo` trains; `make test` runs every test; `make test-quick`
+# the inner loop's tier (docs/testing.md).
 VENV ?= .venv
 # one DeepSpeed op build per venv (a shared ~/.cache build is rebuilt whenever venvs alternate)
 export TORCH_EXTENSIONS_DIR ?= $(abspath $(VENV))/torch_extensions
 NPROC ?= 2
 
-.PHONY: setup demo test bench wheelhouse gpu-check
+.PHONY: setup demo test test-quick bench wheelhouse gpu-check
 setup:
 	bash tools/setup.sh
 
@@ -21,8 +22,16 @@ wheelhouse:
 demo: setup
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(VENV)/bin/torchrun --nproc_per_node $(NPROC) -m stem_megatron.train checkpoint.resume=false $(ARGS)
 
+# two pytest-xdist workers, a module each at a time, longest first (tests/durations.json): the suite's single-process
+# tests leave a core idle and its multi-process ones are 2-4 ranks (docs/testing.md); TEST_WORKERS=0 runs in one
+TEST_WORKERS ?= 2
+PYTEST = $(VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 test: setup
-	$(VENV)/bin/python -m pytest -q $(ARGS)
+	$(PYTEST) $(ARGS)
+
+# every module's single-process tests and one small multi-process case a subsystem (marker `quick`), ~4 minutes
+test-quick: setup
+	$(PYTEST) -m "not slow or quick" $(ARGS)
 
 bench: setup
 	$(VENV)/bin/python benchmarks/ffn_cost.py

@@ -6,8 +6,11 @@ runs the same CPU tests as CI. Tests marked ``gpu`` (``tests/test_gpu.py``) run 
 in subprocesses given the machine's GPUs back (the ``gpu_env`` fixture); elsewhere they are deselected.
 """
 
+import json
 import os
 import random
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -33,7 +36,48 @@ def _gpu_env():
     return gpu_env
 
 
+# `make test-quick` runs every test not marked slow and these, one small multi-process case a subsystem (marked quick
+# here; tests/test_layout.py checks that each is still there)
+QUICK = {
+    "the STEM FFNs against the paper's formulas, TP=2": "test_mlp_variants.py::test_mlp_variants_match_paper_formulas[2]",
+    "TP x PP against one process": "test_parallel_equivalence.py::test_layout_matches_single_process[tp2_pp2]",
+    "Hash-MoE over EP=2": "test_parallel_equivalence.py::test_layout_matches_single_process[hash_moe_ep2]",
+    "host tables against the device table": "test_host_store.py::test_host_store_trains_like_device_table[tp2-scaled]",
+    "owner nodes against one table": "test_row_ownership.py::test_owner_nodes_train_like_one_table[2 nodes x 2 peers]",
+    "the working set against the host step": "test_working_set.py::test_working_set_trains_bitwise_like_the_host_step"
+                                             "[tp2-lazy]",
+    "two nodes against one": "test_multinode.py::test_nodes_train_as_one[dp2-2-1-lazy]",
+    "resume against the straight run": "test_checkpoint.py::test_resume_equals_straight_run[tp2-host-3]",
+    "a damaged checkpoint": "test_checkpoint.py::test_damaged_checkpoint_is_reported_and_not_loaded[flip-in-process]",
+    "a signal, a save, a rerun": "test_preemption.py::test_a_signal_mid_run_saves_where_every_rank_agrees_and_the_rerun"
+                                 "_redoes_no_step[single-1-1-15-process]",
+    "separate clipping, TP=2": "test_stem_clip.py::test_separate_clips_tables_and_dense_by_their_own_norms[tp2]",
+    "two prefetchers' rows": "test_gpu_paths.py::test_two_prefetchers_at_once_deliver_the_host_rows_exactly",
+    "the memory plan against what a node maps": "test_memory_plan.py::test_plan_is_what_each_node_maps_and_each_rank"
+                                                "_builds[2-2-1-fp32]",
+    "datasets alike on every rank": "test_data_pipeline.py::test_ranks_build_identical_datasets_from_one_cache",
+    "SDPA attention over PP=2": "test_sdpa_attention.py::test_pipeline_parallel_losses_equal",
+    "the export in transformers": "test_hf_export.py::test_transformers_runs_every_variant_as_stem_generate_does",
+    "generation with host rows": "test_generate.py::test_kv_cache_and_host_rows_equal_reference",
+    "a row swap and its undo": "test_edit.py::test_swap_moves_stem_mlp_outputs_and_cli",
+    "lm-eval's adapter": "test_eval.py::test_adapter_equals_model_log_softmax",
+}
+DURATIONS = Path(__file__).with_name("durations.json")  # each module's seconds in a full run: tools/test_durations.py
+
+
 def pytest_collection_modifyitems(config, items):
+    """The modules longest first, by their recorded seconds (unknown ones last), each module's tests in their order:
+    ``make test``'s two workers (pytest-xdist, a module each at a time) then end together. The gpu tests, where
+    nvidia-smi lists no GPU, are deselected."""
+    seconds = json.loads(DURATIONS.read_text()) if DURATIONS.exists() else {}
+    rank = {}
+    for item in items:
+        rank.setdefault(item.nodeid.split("::")[0], len(rank))
+    items.sort(key=lambda item: (-seconds.get(item.nodeid.split("::")[0], 0.0), rank[item.nodeid.split("::")[0]]))
+    quick = {f"tests/{nodeid}" for nodeid in QUICK.values()}
+    for item in items:
+        if item.nodeid in quick:
+            item.add_marker(pytest.mark.quick)
     if GPUS:
         return
     gpu = [item for item in items if item.get_closest_marker("gpu")]
@@ -73,6 +117,20 @@ def runs(corpus, tmp_path_factory):
     from runs import Runs
 
     return Runs(corpus, tmp_path_factory.mktemp("runs"))
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _no_world_left_behind():
+    """A module that loads a model in the pytest process (``InferenceModel``) starts a world of one there and keeps it:
+    it ends with the module, so the next module on this worker starts without one, whatever ran before it."""
+    yield
+    if "torch.distributed" in sys.modules:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            from stem_megatron import parallel
+
+            parallel.destroy()
 
 
 @pytest.fixture(autouse=True)

@@ -21,6 +21,8 @@ ROOT = Path(__file__).resolve().parents[1]
 RUNS = {
     "make demo": [("tests/test_readme_commands.py", "test_make_demo_trains_at_its_smallest", '"demo"')],
     "make test": [(".ci/run", None, "make test")],  # the suite itself, as CI runs it
+    "make test-quick": [("tests/test_readme_commands.py", "test_make_test_quick_is_the_fast_tests_and_the_quick_picks",
+                         '"test-quick"')],
     "make setup": [(".ci/run", None, "make test")],  # `make test` sets up first
     "tools/setup.sh": [("tests/test_offline_setup.py", "test_offline_setup_reuses_the_nodes_torch", "tools/setup.sh")],
     "make wheelhouse": [("tests/test_offline_setup.py", "test_offline_setup_reuses_the_nodes_torch",
@@ -95,6 +97,19 @@ def test_every_command_the_readme_names_has_a_test_that_runs_it():
             if test is not None:
                 tests = {node.name for node in ast.parse(source).body if isinstance(node, ast.FunctionDef)}
                 assert test in tests, f"{command}: {path} has no test {test}"
+
+
+def test_make_test_quick_is_the_fast_tests_and_the_quick_picks():
+    """``make test-quick`` (a subset of the suite, which runs it whole) selects every test not marked slow and the
+    picks tests/conftest.py names, each of which is still collected under its name."""
+    from conftest import QUICK
+
+    command = _run(["make", "--no-print-directory", "-n", "-o", "setup", "test-quick"])
+    assert "-m pytest" in command and '-m "not slow or quick"' in command, command
+    files = sorted({f"tests/{nodeid.split('::')[0]}" for nodeid in QUICK.values()})
+    listed = _run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "quick", "-p", "no:cacheprovider",
+                   *files])
+    assert {line for line in listed.splitlines() if "::" in line} == {f"tests/{n}" for n in QUICK.values()}
 
 
 def _run(cmd, **kwargs):

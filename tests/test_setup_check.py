@@ -14,8 +14,9 @@ from stem_megatron import setup_check
 
 ROOT = Path(__file__).resolve().parents[1]
 LIBRARIES = {"study_arms.py"}  # imported by study.py and study_report.py, never run; stdlib only
-# builds an offline node's wheelhouse where pip reaches an index, by any Python with pip: it needs no project venv
-STANDALONE = {"wheelhouse.py"}
+# run by any Python, they need no project venv: wheelhouse.py builds an offline node's wheelhouse where pip reaches an
+# index; test_durations.py reads a JUnit XML
+STANDALONE = {"wheelhouse.py", "test_durations.py"}
 SCRIPTS = sorted(p for p in [*ROOT.glob("benchmarks/*.py"), *ROOT.glob("tools/*.py")]
                  if p.name not in LIBRARIES | STANDALONE)
 EXTRAS = {"eval": ["lm-eval"], "plots": ["matplotlib"], "dashboards": ["wandb-workspaces"],
