@@ -10,9 +10,10 @@ a user needs (out of device memory: what the memory plan expected per GPU and th
 Hydra's submitit launchers without the `slurm` extra that provides them (Hydra's own error names no package).
 
 The module imports nothing heavy until ``main`` runs: a process that the training process spawns imports its
-``__main__`` again, this module. Megatron's checkpoint writer spawns one on each rank's first save (its results
+``__main__`` again, this module. Megatron's checkpoint writer spawned one on each rank's first save (its results
 queue's manager), which imported megatron-core and our training code again before the save could go on: on this
-2-core machine a 2-rank run's first save took 10.2 s, 4.2 s with this module light.
+2-core machine a 2-rank run's first save took 10.2 s, 4.2 s with this module light. That manager is forked now
+(``checkpoint/dense.py``); any other spawned child still pays for what this module imports.
 """
 
 from __future__ import annotations
