@@ -68,7 +68,10 @@ def report(error: Exception) -> None:
     """One line on stderr, from every rank that has the error: the first rank to exit makes torchrun stop the
     others, so no single rank is sure to get as far as printing."""
     where = f"[rank {os.environ['RANK']}] " if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
-    print(f"{where}error: {error}", file=sys.stderr, flush=True)
+    # one write: the ranks of a node share torchrun's stderr, and print's text and newline could go out as two, the
+    # other rank's line between them (seen: "...= 4[rank 1] error: ...")
+    sys.stderr.flush()
+    os.write(sys.stderr.fileno(), f"{where}error: {error}\n".encode())
 
 
 if __name__ == "__main__":
