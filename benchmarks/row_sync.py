@@ -252,6 +252,7 @@ def backward_one_step(store, tokens: torch.Tensor, grad: float = 1e-3) -> None:
     ids = torch.unique(tokens)
     store.begin_step(1, ids)
     fetched = store.fetch(tokens, ids)
+    fetched.wait()  # its slots and step positions are the side stream's copies on GPU: as training's layer waits
     rows_by_layer = fetched.fetched.rows or {layer: store.read_rows(layer, fetched.slots) for layer in store.layers}
     for layer, rows in rows_by_layer.items():
         rows = rows.clone().requires_grad_()

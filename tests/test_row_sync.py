@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 KEYS = {"kind", "design", "nodes", "gpus", "bytes_per_node", "model_bytes_per_node", "adam_rows_per_node", "d_of_b"}
@@ -173,3 +174,61 @@ def test_emulated_nodes_measure_what_the_model_predicts(tmp_path):
     assert emulated[1]["bytes_per_node"] == pytest.approx(emulated[1]["model_bytes_per_node"], rel=0.1)
     for r in emulated:
         assert r["adam_rows_per_node"] == pytest.approx(r["model_adam_rows_per_node"], rel=0.1)
+
+
+class _LateCopies:
+    """A store whose fetches' device indices (each id's working-set slot, its position among the step's ids) land only
+    at ``wait()``, as the GPU's side-stream copies do; until then they hold zeros, as memory not yet written may."""
+
+    def __init__(self, store):
+        self.store = store
+
+    def __getattr__(self, name):
+        return getattr(self.store, name)
+
+    def fetch(self, tokens, ids):
+        fetched = self.store.fetch(tokens, ids)
+        landing = {name: getattr(fetched, name) for name in ("slots", "in_step") if getattr(fetched, name) is not None}
+        for name, value in landing.items():
+            setattr(fetched, name, torch.zeros_like(value))
+        on_time = fetched.wait
+
+        def wait():
+            for name, value in landing.items():
+                getattr(fetched, name).copy_(value)
+            on_time()
+
+        fetched.wait = wait
+        return fetched
+
+
+def _tables_after_three_steps(late: bool) -> dict:
+    """A working set of 96 slots over 256 rows, three steps of ``backward_one_step`` (tests/test_gpu.py's working-set
+    script, on the CPU), through ``_LateCopies`` or not; the tables after."""
+    from stem_megatron.host_tables.store import HostTableStore
+
+    store = HostTableStore([1, 2], 256, 16, init_std=0.02, seed=0, resident_rows=96, micro_batch_tokens=64,
+                           micro_batches=1)
+    draw = lambda step: torch.randint(0, 256, (1, 64), generator=torch.Generator().manual_seed(step))  # noqa: E731
+    store.admit(torch.unique(draw(1)))
+    for step in range(1, 4):
+        rs.backward_one_step(_LateCopies(store) if late else store, draw(step))
+        store.step(1e-2, torch.unique(draw(step + 1)))
+    store.settle()
+    return {layer: store.table(layer).clone() for layer in store.layers}
+
+
+def _both() -> tuple[dict, dict]:
+    return _tables_after_three_steps(late=True), _tables_after_three_steps(late=False)
+
+
+@pytest.mark.slow
+def test_the_harness_reads_a_fetch_only_once_its_copies_land():
+    """``backward_one_step`` (the GPU working-set tests' step) waits for a fetch before it reads the fetch's slots and
+    step positions, as a training layer does: with indices that land only at the wait, the tables end as with
+    indices there from the start."""
+    import distributed
+
+    late, on_time = distributed.run(_both, 1)[0]
+    assert late.keys() == on_time.keys() == {1, 2}
+    assert all(torch.equal(late[layer], on_time[layer]) for layer in on_time)
