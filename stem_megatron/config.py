@@ -62,6 +62,9 @@ class STEMConfig:
     # DP > 1 the rows the rank owns; host_tables/working_set.py; 0: none, rows fetched and updated on the host)
     resident_rows: int = 0
     shm_dir: str = "/dev/shm"  # host tables: the node's shared-memory (tmpfs) directory they are mapped from
+    # host tables: GiB of memory a node can give them, where the machine's own figure understates it (a VM whose
+    # RAM grows as it is used); None: MemAvailable, bounded by a cgroup memory limit (host_tables/node.py)
+    host_memory_gib: Optional[float] = None
     wire_dtype: str = "fp32"  # host tables: row gradients sent to their owner node in fp32 (exact) | bf16
     read_dtype: str = "fp32"  # host tables: each node's copy of the tables fp32 | bf16 (fp32 masters at the owners)
     # host tables: send a layer's row gradients to their owners while backward runs through the earlier layers
@@ -234,6 +237,8 @@ def validate(cfg: RunConfig, world_size: int) -> int:
     s, c = cfg.stem, cfg.checkpoint
     _check(s.placement != "host" or Path(s.shm_dir).is_dir(), "stem.shm_dir",
            f"{s.shm_dir} is not a directory: give a tmpfs directory every rank of a node sees (e.g. /dev/shm)")
+    _check(s.host_memory_gib is None or s.host_memory_gib > 0, "stem.host_memory_gib",
+           f"{s.host_memory_gib} GiB: give the memory a node can give its tables, or null to read it from the machine")
     if s.variant == "hash_moe" and cfg.parallel.tensor_model_parallel_size > 1:
         _check(torch.cuda.is_available() and find_spec("transformer_engine") is not None,
                "parallel.tensor_model_parallel_size",

@@ -27,7 +27,8 @@ RECIPES = str(Path(__file__).resolve().parent.parent / "recipes")
 
 # what decides a run's training (a run resumed with other values would not continue it)
 _IGNORED = {"train": ("log_interval", "exit_after_steps", "eval_interval", "eval_iters"),
-            "stem": ("prefetch_depth", "cache_rows", "shm_dir", "overlap_exchange", "overlap_update", "resident_rows")}
+            "stem": ("prefetch_depth", "cache_rows", "shm_dir", "host_memory_gib", "overlap_exchange",
+                     "overlap_update", "resident_rows")}
 
 
 def _multirun() -> bool:

@@ -39,8 +39,8 @@ def _identity(cfg: RunConfig) -> dict:
     """What must match for a checkpoint to load: the model and which layers are STEM / where tables live."""
     return {"model": dataclasses.asdict(cfg.model),
             "stem": {k: v for k, v in dataclasses.asdict(cfg.stem).items()
-                     if k not in ("prefetch_depth", "cache_rows", "shm_dir", "overlap_exchange",
-                                  "overlap_update")}}
+                     if k not in ("prefetch_depth", "cache_rows", "shm_dir", "host_memory_gib",
+                                  "overlap_exchange", "overlap_update")}}
 
 
 def save(cfg: RunConfig, trainer, detector, step: int) -> Path:

@@ -138,24 +138,78 @@ class HostMemoryError(RuntimeError):
     """The node's shared memory cannot hold its STEM tables; the message names the bytes and the fixes."""
 
 
-def free_space(directory: str) -> tuple[int, int]:
-    """(free bytes in ``directory``, the machine's available memory): a tmpfs is backed by memory."""
-    stat = os.statvfs(directory)
-    with open("/proc/meminfo") as meminfo:
+MEMINFO = "/proc/meminfo"
+SELF_CGROUP = "/proc/self/cgroup"
+CGROUPS = "/sys/fs/cgroup"  # where this process' cgroup files are, by the paths SELF_CGROUP names
+_NO_LIMIT = 2**60  # cgroup v1 writes "no limit" as the largest page-aligned number
+
+
+def _read(path: str) -> Optional[str]:
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
+def _cgroup_room() -> Optional[int]:
+    """Bytes this process may still take under its cgroup's memory limit (v2 ``memory.max``, v1
+    ``memory.limit_in_bytes``), usage counted without reclaimable file pages as the kernel reclaims them; None
+    without a limit. A container's MemAvailable is its host's, so the limit is the tighter rule there."""
+    for line in (_read(SELF_CGROUP) or "").splitlines():
+        _, controllers, path = line.split(":", 2)
+        v2 = controllers == ""
+        if not v2 and "memory" not in controllers.split(","):
+            continue
+        base = CGROUPS if v2 else os.path.join(CGROUPS, "memory")
+        where = os.path.join(base, path.lstrip("/"))
+        if not os.path.isdir(where):  # a cgroup namespace: its root is this process' cgroup
+            where = base
+        limit = _read(os.path.join(where, "memory.max" if v2 else "memory.limit_in_bytes"))
+        usage = _read(os.path.join(where, "memory.current" if v2 else "memory.usage_in_bytes"))
+        if limit is None or usage is None or limit == "max" or int(limit) >= _NO_LIMIT:
+            continue
+        stat = dict(line.split() for line in (_read(os.path.join(where, "memory.stat")) or "").splitlines())
+        reclaimable = int(stat.get("inactive_file" if v2 else "total_inactive_file", 0))
+        return max(0, int(limit) - max(0, int(usage) - reclaimable))
+    return None
+
+
+def available_memory(host_memory_gib: Optional[float] = None) -> tuple[int, str]:
+    """(bytes the node's tables may take, where that figure comes from). ``stem.host_memory_gib`` where given: a VM
+    whose RAM grows as it is used (a cloud microVM) reports far less at start, in MemTotal and MemAvailable alike,
+    than it can give, and only its operator knows the size. Else MemAvailable, bounded by the room under this
+    process' cgroup memory limit where it has one."""
+    if host_memory_gib is not None:
+        return int(host_memory_gib * 2**30), "stem.host_memory_gib"
+    with open(MEMINFO) as meminfo:
         available = next(int(line.split()[1]) * 1024 for line in meminfo if line.startswith("MemAvailable:"))
-    return stat.f_bavail * stat.f_frsize, available
+    room = _cgroup_room()
+    if room is not None and room < available:
+        return room, "the room under this process' cgroup memory limit"
+    return available, "MemAvailable"
 
 
-def _too_small(directory: str, need: int, free: int, available: int) -> HostMemoryError:
+def free_space(directory: str, host_memory_gib: Optional[float] = None) -> tuple[int, int]:
+    """(free bytes in ``directory``, the memory the tables may take: ``available_memory``): a tmpfs is backed by
+    memory, and its own size limit holds even where ``host_memory_gib`` is given."""
+    stat = os.statvfs(directory)
+    return stat.f_bavail * stat.f_frsize, available_memory(host_memory_gib)[0]
+
+
+def _too_small(directory: str, need: int, free: int, available: int, host_memory_gib: Optional[float]
+               ) -> HostMemoryError:
     gib = 2**30
+    source = available_memory(host_memory_gib)[1]
     return HostMemoryError(
         f"the STEM host tables of this node need {need / gib:.2f} GiB in {directory} (a copy of each table, and "
         f"the Adam moments of the rows this node owns), but it has {free / gib:.2f} GiB free and the machine "
-        f"{available / gib:.2f} GiB of available memory. Fixes: a larger shared-memory directory (a container's "
-        f"--shm-size, or stem.shm_dir=<a larger tmpfs>), bf16 table copies (stem.read_dtype=bf16), more nodes "
-        f"(each holds the moments of 1/N of the rows), a smaller stem.ratio or model.vocab_size, more pipeline "
-        f"stages (each holds only its layers' tables), or stem.placement=device when the tables fit on the GPU. "
-        f"`stem-flops --memory <overrides> --nodes N` plans a run's memory before launch")
+        f"{available / gib:.2f} GiB of available memory ({source}). Fixes: a larger shared-memory directory (a "
+        f"container's --shm-size, or stem.shm_dir=<a larger tmpfs>), stem.host_memory_gib=<GiB the node can give> "
+        f"where the machine's figure understates it (a VM whose RAM grows as it is used), bf16 table copies "
+        f"(stem.read_dtype=bf16), more nodes (each holds the moments of 1/N of the rows), a smaller stem.ratio or "
+        f"model.vocab_size, more pipeline stages (each holds only its layers' tables), or stem.placement=device when "
+        f"the tables fit on the GPU. `stem-flops --memory <overrides> --nodes N` plans a run's memory before launch")
 
 
 def shared_tensors(
@@ -163,18 +217,19 @@ def shared_tensors(
     group: dist.ProcessGroup,
     init: Callable[[str, torch.Tensor], None],
     directory: str = SHM_DIR,
+    host_memory_gib: Optional[float] = None,
 ) -> dict[str, torch.Tensor]:
     """Map one node-shared tensor per name, of ``specs[name] = (shape, dtype)`` (collective over the node
     ``group``).
 
     Every rank of the group calls this with the names it needs; the lowest rank needing a name
     creates the file and runs ``init(name, tensor)`` before anyone else reads it. The node's bytes are
-    checked against the directory's free space and the machine's available memory first, and claimed
-    up front (``posix_fallocate``), so running out is a clear error at start, never a bus error later;
+    checked against the directory's free space and the memory the tables may take (``available_memory``) first,
+    and claimed up front (``posix_fallocate``), so running out is a clear error at start, never a bus error later;
     every rank of the node raises it.
     """
     needed: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(needed, (specs, free_space(directory)), group=group)
+    dist.all_gather_object(needed, (specs, free_space(directory, host_memory_gib)), group=group)
     me = dist.get_rank(group)
     mine_to_create = [n for n in specs if min(i for i, (ns, _) in enumerate(needed) if n in ns) == me]
 
@@ -185,7 +240,7 @@ def shared_tensors(
     need = sum(nbytes(spec) for spec in {n: spec for ns, _ in needed for n, spec in ns.items()}.values())
     free, available = needed[0][1]  # one rank's view, so that the whole node decides alike
     if need > min(free, available):
-        raise _too_small(directory, need, free, available)
+        raise _too_small(directory, need, free, available, host_memory_gib)
     failed = None
     for name in mine_to_create:
         fd = os.open(os.path.join(directory, name), os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
@@ -202,7 +257,7 @@ def shared_tensors(
         for name in mine_to_create:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(os.path.join(directory, name))
-        raise _too_small(directory, need, *free_space(directory))
+        raise _too_small(directory, need, *free_space(directory, host_memory_gib), host_memory_gib)
     tensors = {n: torch.from_file(os.path.join(directory, n), shared=True, size=math.prod(shape), dtype=dtype)
                .view(shape) for n, (shape, dtype) in specs.items()}
     for name in mine_to_create:

@@ -68,6 +68,7 @@ class HostTableStore(WholeTables, ResidentRows):
         cache_rows: int = 0,
         device: Optional[torch.device] = None,
         shm_dir: str = SHM_DIR,
+        host_memory_gib: Optional[float] = None,
         wire_dtype: str = "fp32",
         read_dtype: str = "fp32",
         overlap: bool = True,
@@ -113,7 +114,8 @@ class HostTableStore(WholeTables, ResidentRows):
             # moments: tmpfs pages start at zero
 
         shared = shared_tensors({name: ((self.tp, specs[kind][0], self.cols), specs[kind][1])
-                                 for (_, kind), name in self._names.items()}, n.group, init, directory=shm_dir)
+                                 for (_, kind), name in self._names.items()}, n.group, init, directory=shm_dir,
+                                host_memory_gib=host_memory_gib)
         self.full = {key: shared[name] for key, name in self._names.items()}  # [tp, rows, cols], node-shared
         self.weight = {layer: self.full[layer, "weight"][self.tp_rank] for layer in self.layers}  # position order
         self.master = {layer: self.full[layer, "master"][self.tp_rank] if "master" in specs
@@ -359,6 +361,7 @@ def build_store(cfg: RunConfig, tconfig: TransformerConfig, device: torch.device
         table_init_std(tconfig, m.vocab_size, cfg.stem.table_init, cfg.stem.table_init_std), t.seed,
         optimizer=cfg.stem.optimizer, betas=(t.adam_beta1, t.adam_beta2), eps=1e-8,
         weight_decay=t.weight_decay, cache_rows=cfg.stem.cache_rows, device=device, shm_dir=cfg.stem.shm_dir,
+        host_memory_gib=cfg.stem.host_memory_gib,
         wire_dtype=cfg.stem.wire_dtype, read_dtype=cfg.stem.read_dtype, overlap=cfg.stem.overlap_exchange,
         overlap_update=cfg.stem.overlap_update, compute_dtype=tconfig.params_dtype,
         micro_batch_tokens=t.micro_batch_size * m.seq_length,

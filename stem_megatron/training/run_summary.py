@@ -79,7 +79,7 @@ def _memory_line(cfg: RunConfig, layout: Layout, gpu: bool) -> str:
     except ValueError as e:  # a layout the plan does not model (e.g. stages spread unevenly over nodes)
         return f"memory plan: not computed ({e})"
     here = os.path.isdir(cfg.stem.shm_dir)
-    free, available = free_space(cfg.stem.shm_dir) if here else (0, 0)
+    free, available = free_space(cfg.stem.shm_dir, cfg.stem.host_memory_gib) if here else (0, 0)
     most, shared, fits = neediest_node(result, free, available)
     line = f"memory plan: {_size(most['total'])} a node, {_size(shared)} of it shared in {cfg.stem.shm_dir}"
     if here:
