@@ -35,6 +35,7 @@ BAD = [
     ("stem.table_init_std", dict(stem=STEMConfig(table_init_std=0.0)), 1, {}),
     ("stem.clip", dict(stem=STEMConfig(clip="per_layer")), 1, {}),
     ("stem.cache_rows", dict(stem=STEMConfig(resident_rows=64, cache_rows=8)), 1, {}),  # the set replaces the cache
+    ("stem.host_memory_gib", dict(stem=STEMConfig(host_memory_gib=0)), 1, {}),
     ("parallel", dict(), 3, dict(tensor_model_parallel_size=2)),
     ("parallel.overlap_param_gather", dict(), 1, dict(overlap_param_gather=True)),
     ("train.global_batch_size", dict(), 2, {}),
