@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from stem_megatron.training.collective_audit import first_divergence, summarize
-from stem_megatron.training.sync_audit import call_site
+from stem_megatron.training.sync_audit import call_site, thread_and_site
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -66,6 +66,18 @@ def test_a_side_threads_own_group_is_compared_apart_and_as_far_as_both_ranks_rec
     assert first_divergence(side).startswith("ranks 0 and 1 part at their collective 2 on shared groups")
 
 
+def test_backward_s_collectives_on_autograd_s_device_thread_are_compared_in_the_step_s_order():
+    """On a GPU, backward's collectives (the exchange's node group, DP reduce-scatters) come from autograd's device
+    thread, not the training thread: two ranks that issue them in different orders part, though each group is only
+    that thread's."""
+    dp, local = ("dp", [0, 1]), ("local", [0, 1])
+    calls = {0: [_call("reduce_scatter", *dp, "autograd"), _call("all_to_all_single", *local, "autograd")],
+             1: [_call("all_to_all_single", *local, "autograd"), _call("reduce_scatter", *dp, "autograd")]}
+    assert first_divergence(calls) == ("ranks 0 and 1 part at their collective 1 on shared groups: rank 0 issues "
+                                       "reduce_scatter on group dp from autograd, rank 1 issues all_to_all_single on "
+                                       "group local from autograd")
+
+
 def test_a_synchronising_call_is_charged_to_our_innermost_frame_and_the_torch_function_under_it():
     frame = traceback.FrameSummary
     stack = traceback.StackSummary.from_list([
@@ -77,9 +89,24 @@ def test_a_synchronising_call_is_charged_to_our_innermost_frame_and_the_torch_fu
     assert call_site(traceback.StackSummary.from_list(list(stack)[2:])) == "torch/_tensor.py:99"
 
 
+def test_a_synchronising_call_replayed_by_the_autograd_engine_is_backward_s():
+    """torch buffers a C++ warning of backward's device thread and shows it on the training thread when backward
+    returns, from the frame that called the engine: charged to ``autograd``, at the call that started backward."""
+    frame = traceback.FrameSummary
+    stack = traceback.StackSummary.from_list([
+        frame("/x/site-packages/megatron/core/pipeline_parallel/schedules.py", 10, "backward_step"),
+        frame("/x/site-packages/torch/autograd/__init__.py", 364, "backward"),
+        frame("/x/site-packages/torch/autograd/graph.py", 979, "_engine_run_backward")])
+    assert thread_and_site(stack) == ("autograd", "megatron/core/pipeline_parallel/schedules.py:10 "
+                                                  "(torch/autograd/graph.py:979), replayed from backward")
+    assert thread_and_site(traceback.StackSummary.from_list(list(stack)[:2]))[0] == "MainThread"
+
+
 def _sync_audit_of_two_threads(out_dir):
     """``sync_audit.audited`` with torch's CUDA calls stood in for (no GPU here) and the sync debug mode's warning
-    raised by hand: 3 times on this thread, twice on a thread of its own, once a warning of another kind."""
+    raised by hand: 3 times on this thread, twice on a thread of its own, once on a thread started outside Python's
+    threading (as torch starts autograd's device threads), once a warning of another kind."""
+    import _thread
     import threading
     import warnings
 
@@ -102,6 +129,9 @@ def _sync_audit_of_two_threads(out_dir):
         side = threading.Thread(target=synchronise, args=(2,), name="stem-prefetch")
         side.start()
         side.join()
+        done = threading.Event()
+        _thread.start_new_thread(lambda: (synchronise(1), done.set()), ())
+        done.wait()
         warnings.warn("something else", UserWarning)
     synchronise(1)  # after the step: not counted, shown as before
     return modes, shown, (out_dir / "sync_audit_step3_rank0.txt").read_text()
@@ -114,9 +144,9 @@ def test_the_sync_audit_counts_each_thread_s_synchronising_calls_of_the_step_onl
     assert modes == ["warn", 0]
     assert shown == ["something else", "called a synchronizing CUDA operation"]
     lines = report.splitlines()
-    assert lines[0] == "step 3, rank 0: 5 synchronising CUDA calls"
+    assert lines[0] == "step 3, rank 0: 6 synchronising CUDA calls"
     counts = {(line.split()[1], line.split()[0]) for line in lines[2:]}
-    assert counts == {("MainThread", "3"), ("stem-prefetch", "2")}, report
+    assert counts == {("MainThread", "3"), ("stem-prefetch", "2"), ("autograd", "1")}, report
     assert all("tests/test_audits.py" in line for line in lines[2:]), report
 
 

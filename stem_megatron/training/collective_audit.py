@@ -11,7 +11,9 @@ collectives by thread, and where two ranks' orders on the groups they share part
 
 A group only one side thread issues on (the prefetch thread's planning groups) cannot interleave with another
 thread's collectives, so its calls are compared apart, and only as far as both ranks recorded them: a side thread's
-calls begin and end at times of their own, not the step's.
+calls begin and end at times of their own, not the step's. Backward's calls on a GPU's autograd device thread (the
+exchange's groups, megatron's bucketed reduce-scatters) are the step's own, issued in graph order while the training
+thread waits, so they stay in the training thread's lane (``audit_threads``).
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ from typing import Iterator, Optional
 
 import torch.distributed as dist
 from torch._C._distributed_c10d import ProcessGroup
+
+from stem_megatron.training.audit_threads import in_step_order, thread_name
 
 # ProcessGroup's collective methods, which every torch.distributed call of a step ends in (names of torch 2.6 to
 # 2.13; those a release lacks are skipped)
@@ -54,7 +58,7 @@ class _Recorder:
             else:
                 where = group.group_name
             with recorder._lock:
-                recorder.calls.append({"order": len(recorder.calls), "thread": threading.current_thread().name,
+                recorder.calls.append({"order": len(recorder.calls), "thread": thread_name(),
                                        "op": op, "group": where, "ranks": list(ranks)})
             return method(group, *args, **kwargs)
 
@@ -124,14 +128,14 @@ def first_divergence(calls: dict[int, list[dict]]) -> Optional[str]:
 
 
 def _lanes(calls: list[dict]) -> dict[str, list[dict]]:
-    """One rank's calls by lane: each group only one thread other than the main thread issues on has its own (named
-    by the group), every other call is in lane ""."""
+    """One rank's calls by lane: each group only one side thread (neither the training thread nor backward's) issues
+    on has its own (named by the group), every other call is in lane ""."""
     threads: dict[str, set] = {}
     for call in calls:
         threads.setdefault(call["group"], set()).add(call["thread"])
     lanes: dict[str, list[dict]] = {}
     for call in calls:
-        own = threads[call["group"]] == {call["thread"]} and call["thread"] != "MainThread"
+        own = threads[call["group"]] == {call["thread"]} and not in_step_order(call["thread"])
         lanes.setdefault(call["group"] if own else "", []).append(call)
     return lanes
 

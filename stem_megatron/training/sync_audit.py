@@ -6,6 +6,10 @@ that queue then runs dry while the host prepares the next work. torch's sync deb
 for the whole of step N every rank records each warning with its thread and call site (the innermost frame of this
 project or megatron-core, and the torch function under it) and writes ``<out_dir>/sync_audit_step<N>_rank<r>.txt``,
 one line per (thread, call site), the most frequent first. Rank 0 prints its total in one line.
+
+Backward's calls are the ``autograd`` thread's (``audit_threads``): those its Python hooks make on a device thread,
+and the C++ ones, which torch buffers there and replays on the training thread when backward returns, from the
+frame that called the engine; they are charged to the call site that started backward, marked as replayed.
 """
 
 from __future__ import annotations
@@ -21,8 +25,11 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
+from stem_megatron.training.audit_threads import AUTOGRAD, thread_name
+
 MESSAGE = "called a synchronizing CUDA operation"  # torch's sync debug mode's warning
 OURS = ("stem_megatron", "megatron/core")
+ENGINE = ("torch/autograd/graph.py", "_engine_run_backward")  # where backward's C++ warnings are replayed
 
 
 def call_site(stack: traceback.StackSummary) -> str:
@@ -33,6 +40,14 @@ def call_site(stack: traceback.StackSummary) -> str:
         return _short(stack[-1])
     site = _short(ours[-1])
     return site if ours[-1] is stack[-1] else f"{site} ({_short(stack[-1])})"
+
+
+def thread_and_site(stack: traceback.StackSummary) -> tuple[str, str]:
+    """(the thread a synchronising call is charged to, its call site): a warning replayed by the autograd engine is
+    ``AUTOGRAD``'s, whichever thread shows it."""
+    engine = stack[-1].filename.endswith(ENGINE[0]) and stack[-1].name == ENGINE[1]
+    site = call_site(stack)
+    return (AUTOGRAD, f"{site}, replayed from backward") if engine else (thread_name(), site)
 
 
 def _short(frame: traceback.FrameSummary) -> str:
@@ -57,9 +72,9 @@ def audited(enabled: bool, out_dir: str, step: int) -> Iterator[None]:
         if MESSAGE not in str(message):
             return shown(message, category, filename, lineno, file, line)
         stack = [f for f in traceback.extract_stack()[:-1] if f.filename != warnings.__file__]  # the warn machinery
-        where = call_site(traceback.StackSummary.from_list(stack))
+        thread, where = thread_and_site(traceback.StackSummary.from_list(stack))
         with lock:
-            counts[threading.current_thread().name, where] += 1
+            counts[thread, where] += 1
 
     torch.cuda.synchronize()  # the last step's work is not this step's
     with warnings.catch_warnings():
