@@ -7,8 +7,11 @@ Three modules, timed round-robin on the same input (medians over rounds, ratios 
 - ``stem``: the STEM MLP on the same rows through ``model.stem_rows.silu_times_rows`` (one function: gather in the
   compute dtype inside the product, segmented row-gradient sum over the prefetcher's order).
 
-The rows are a micro-batch's distinct ids drawn from the 128k-vocabulary profile (the fp32 leaf the store
-registers, its gradient included). Goal on GPU: ``stem`` <= 0.75x dense (the matmul FLOP ideal is 2/3).
+Each round is a micro-batch of its own, its ids drawn from the 128k-vocabulary profile at the recipe's vocabulary
+as ``gpu_step.py`` draws them, so its distinct ids ``u`` (the rows: the fp32 leaf the store registers, its gradient
+included) change from call to call as in training, and the compiled function is timed with the dynamic row count
+training runs, not a kernel specialized to one ``u`` (issue 51). Goal on GPU: ``stem`` <= 0.75x dense (the matmul
+FLOP ideal is 2/3).
 On CPU (no fused kernels) the figures show the host's arithmetic only; use ``--tokens`` to shorten.
 
 Run: ``.venv/bin/python benchmarks/stem_layer.py [--models 350M,1B] [--tokens N] [--rounds 7] [--json [FILE]]``.
@@ -36,6 +39,7 @@ from megatron.core.process_groups_config import ProcessGroupCollection  # noqa: 
 from megatron.core.transformer.module import MegatronModule  # noqa: E402
 from megatron.core.transformer.spec_utils import build_module  # noqa: E402
 
+from benchmarks.gpu_step import expected_distinct_ids, profile_ids  # noqa: E402
 from benchmarks.row_sync import DEFAULT_COUNTS, load_counts  # noqa: E402
 from stem_megatron import parallel  # noqa: E402
 from stem_megatron.config import ModelConfig, ParallelConfig  # noqa: E402
@@ -44,16 +48,17 @@ from stem_megatron.model.specs import stem_mlp_spec  # noqa: E402
 from stem_megatron.model.stem_rows import RowOrder  # noqa: E402
 from stem_megatron.model.token_context import token_ids  # noqa: E402
 
-# (d, d_ff, heads, micro-batch tokens) of the recipes' models as benchmarks/gpu_step.py runs them (seq 2048)
-SHAPES = {"350M": (960, 2560, 15, 8192), "1B": (2048, 8192, 32, 4096)}
+# (d, d_ff, heads, micro-batch tokens, vocabulary) of the recipes' models as benchmarks/gpu_step.py runs them
+# (seq 2048)
+SHAPES = {"350M": (960, 2560, 15, 8192, 32_000), "1B": (2048, 8192, 32, 4096, 128_256)}
 
 
 class _GatheredRows(MegatronModule):
     """A host row source's forward before issue 31: the compact fp32 rows expanded to tokens, then cast."""
 
-    def __init__(self, config, rows: torch.Tensor, index: torch.Tensor):
-        super().__init__(config=config)
-        self.rows, self.index = rows, index  # [u, cols] fp32, [s, b]
+    def load(self, rows: torch.Tensor, index: torch.Tensor) -> None:
+        """The micro-batch's rows (``[u, cols]`` fp32) and each token's row (``[s, b]``), as a fetch lands them."""
+        self.rows, self.index = rows, index
 
     def forward(self, _tokens):
         leaf = self.rows.detach().requires_grad_()
@@ -63,33 +68,40 @@ class _GatheredRows(MegatronModule):
 class _CompactRows(_GatheredRows):
     """A host row source now: the compact rows, each token's row and their order, for ``silu_times_rows``."""
 
-    def __init__(self, config, rows, index):
-        super().__init__(config, rows, index)
-        self.order = RowOrder.of(index.cpu(), rows.shape[0])
-        self.order = RowOrder(*(t.to(rows.device) for t in self.order))
+    def load(self, rows, index):
+        super().load(rows, index)
+        self.order = RowOrder(*(t.to(rows.device) for t in RowOrder.of(index.cpu(), rows.shape[0])))
 
     def compact(self, _tokens):
         return self.rows.detach().requires_grad_(), self.index, self.order
 
 
-def _modules(name: str, ids: np.ndarray, device: torch.device) -> tuple[dict, torch.Tensor, torch.Tensor]:
-    d, d_ff, heads, tokens = SHAPES[name]
+def _modules(name: str, tokens: int, device: torch.device) -> tuple[dict, torch.Tensor]:
+    """The three FFNs (the STEM ones without rows until ``_load``) and their input ``x`` ``[tokens, 1, d]``."""
+    d, d_ff, heads, _, vocab = SHAPES[name]
     model = ModelConfig(name=name, num_layers=1, hidden_size=d, ffn_hidden_size=d_ff, num_attention_heads=heads,
-                        vocab_size=int(ids.max()) + 1, seq_length=tokens)
+                        vocab_size=vocab, seq_length=tokens)
     config = transformer_config(model, ParallelConfig(), on_gpu=device.type == "cuda")
     dense = get_gpt_layer_local_spec(normalization="RMSNorm").submodules.mlp(
         config=config, pg_collection=ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp"]),
         is_mtp_layer=False, ffn_hidden_size=d_ff)
-    uniq, inverse = np.unique(ids, return_inverse=True)
-    index = torch.from_numpy(inverse).view(-1, 1).to(device)  # [s, b = 1]
-    rows = torch.randn(len(uniq), d_ff, device=device) * 0.02
     mods = {"dense": dense}
     for label, source in (("stem, gather", _GatheredRows), ("stem", _CompactRows)):
         mlp = build_module(stem_mlp_spec("stem", model.vocab_size), config=config)
-        mlp.U_l = source(config, rows, index)
+        mlp.U_l = source(config=config)
         mods[label] = mlp
-    x = torch.randn(index.shape[0], 1, d, device=device, dtype=config.params_dtype)
-    return {k: m.to(device) for k, m in mods.items()}, x, torch.from_numpy(ids).view(1, -1)
+    x = torch.randn(tokens, 1, d, device=device, dtype=config.params_dtype)
+    return {k: m.to(device) for k, m in mods.items()}, x
+
+
+def _load(mods: dict, ids: np.ndarray, d_ff: int, device: torch.device) -> tuple[int, torch.Tensor]:
+    """A micro-batch of ``ids`` into both STEM FFNs: its distinct ids (``u``) and the tokens ``[1, s]``."""
+    uniq, inverse = np.unique(ids, return_inverse=True)
+    index = torch.from_numpy(inverse).view(-1, 1).to(device)  # [s, b = 1]
+    rows = torch.randn(len(uniq), d_ff, device=device) * 0.02
+    for k in ("stem, gather", "stem"):
+        mods[k].U_l.load(rows, index)
+    return len(uniq), torch.from_numpy(ids).view(1, -1)
 
 
 def _time(mlp, x, tokens, vocab, device) -> float:
@@ -123,18 +135,21 @@ def main(argv=None) -> None:
     results = []
     try:
         for name in args.models.split(","):
-            tokens = args.tokens or SHAPES[name][3]
-            ids = rng.choice(len(counts), size=tokens, p=counts / counts.sum())
-            mods, x, tok = _modules(name, ids, device)
-            times = {k: [] for k in mods}
+            tokens, vocab = args.tokens or SHAPES[name][3], SHAPES[name][4]
+            ids, p = profile_ids(counts, vocab)
+            mods, x = _modules(name, tokens, device)
+            times, rows = {k: [] for k in mods}, []
             for r in range(args.warmup + args.rounds):
+                u, tok = _load(mods, rng.choice(ids, size=tokens, p=p), SHAPES[name][1], device)
+                rows.append(u)
                 for k in list(mods)[r % 3:] + list(mods)[:r % 3]:  # order rotated each round
-                    t = _time(mods[k], x, tok, int(ids.max()) + 1, device)
-                    if r >= args.warmup:
-                        times[k].append(t)
-            ms = {k: statistics.median(v) * 1e3 for k, v in times.items()}
-            results.append({"model": name, "tokens": tokens, "rows": int(len(np.unique(ids))), "device": str(device),
-                            "ms": ms, "over_dense": {k: ms[k] / ms["dense"] for k in ms}})
+                    times[k].append(_time(mods[k], x, tok, vocab, device))
+            rows = rows[args.warmup:]
+            ms = {k: statistics.median(v[args.warmup:]) * 1e3 for k, v in times.items()}
+            results.append({"model": name, "tokens": tokens, "rows": int(statistics.median(rows)),
+                            "rows_range": [min(rows), max(rows)],
+                            "expected_rows": expected_distinct_ids(counts, vocab, (tokens,))[0],
+                            "device": str(device), "ms": ms, "over_dense": {k: ms[k] / ms["dense"] for k in ms}})
     finally:
         parallel.destroy()
     if args.json == "-":
@@ -144,8 +159,10 @@ def main(argv=None) -> None:
         Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
     for r in results:
         d, d_ff = SHAPES[r["model"]][:2]
-        print(f"{r['model']} FFN (d {d}, d_ff {d_ff}), {r['tokens']:,} tokens, {r['rows']:,} distinct ids, "
-              f"{r['device']}, forward + backward, median of {args.rounds}:")
+        lo, hi = r["rows_range"]
+        print(f"{r['model']} FFN (d {d}, d_ff {d_ff}), {r['tokens']:,} tokens, {lo:,}-{hi:,} distinct ids a round "
+              f"(median {r['rows']:,}; {r['expected_rows']:,} expected), {r['device']}, forward + backward, median of "
+              f"{args.rounds}:")
         for k, v in r["ms"].items():
             print(f"  {k:<13} {v:9.2f} ms   {r['over_dense'][k]:.2f}x dense")
 

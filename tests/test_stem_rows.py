@@ -11,13 +11,18 @@ from stem_megatron.model.stem_rows import RowOrder, silu_times_rows
 S, B, U, COLS = 48, 3, 40, 24
 
 
-def _inputs(dtype, seed=0):
+def _inputs(dtype, seed=0, s=S, b=B, u=U):
     g = torch.Generator().manual_seed(seed)
-    index = torch.randint(0, U, (S, B), generator=g)
-    index[:U // 2, 0] = torch.arange(U // 2)  # every row read at least once, most several times
-    rows = torch.randn(U, COLS, generator=g)
-    gate, dh = (torch.randn(S, B, COLS, generator=g).to(dtype) for _ in range(2))
+    index = torch.randint(0, u, (s, b), generator=g)
+    index[:u // 2, 0] = torch.arange(u // 2)  # every row read at least once, most several times
+    rows = torch.randn(u, COLS, generator=g)
+    gate, dh = (torch.randn(s, b, COLS, generator=g).to(dtype) for _ in range(2))
     return gate, rows, index, dh
+
+
+def _ulp(scale, eps):
+    """A unit in the last place (of the dtype of epsilon ``eps``) of ``scale``."""
+    return eps * torch.exp2(torch.floor(torch.log2(scale.clamp(min=1e-30))))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -62,5 +67,49 @@ def test_the_compiled_passes_agree_with_the_eager_ones_within_rounding():
         fused = (stem_rows._fused_forward(gate, rows, index), *stem_rows._fused_backward(dh, gate, rows, index))
         eager = (stem_rows._forward(gate, rows, index), *stem_rows._backward(dh, gate, rows, index))
         for name, f, e, scale in zip(("product", "gate gradient", "row gradient"), fused, eager, scales):
-            ulp = eps * torch.exp2(torch.floor(torch.log2(scale.clamp(min=1e-30))))
-            assert ((f.float() - e.float()).abs() <= 2 * ulp).all(), (dtype, name)
+            assert ((f.float() - e.float()).abs() <= 2 * _ulp(scale, eps)).all(), (dtype, name)
+
+
+def _layer(gate, rows, index, dh):
+    """The function's output and gradients at these inputs; without grad mode (validation), the output only, of
+    inputs that do not require grad, as validation's gate and rows do not."""
+    g, r = (t.clone().requires_grad_(torch.is_grad_enabled()) for t in (gate, rows))
+    h = silu_times_rows(g, r, index)
+    if not torch.is_grad_enabled():
+        return (h,)
+    h.backward(dh)
+    return h, g.grad, r.grad
+
+
+@pytest.mark.slow
+def test_the_compiled_passes_compile_once_for_every_row_and_token_count_and_for_no_grad(monkeypatch):
+    """Training changes the row count ``u`` every step and the token count at validation, which calls the layer
+    without grad: each compiled pass (CPU inductor here, the same graphs as on GPU) compiles once a process,
+    dynamic in tokens and rows from the first call (issue 51: 4 forward graphs and 3 backward ones before). Each
+    call within rounding of the eager function: the output and the gate's gradient as above, a row's gradient
+    within its tokens' bounds plus the two fp32 sums' rounding (tokens x eps x the sum of their scales each)."""
+    codes = stem_rows._forward.__code__, stem_rows._backward.__code__
+    torch._dynamo.reset()
+    before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    eps = 2.0**-23
+    for seed, (s, b, u, grad) in enumerate(((48, 3, 40, True), (40, 3, 33, True), (56, 2, 47, True),
+                                            (36, 2, 29, False))):
+        gate, rows, index, dh = _inputs(torch.float32, seed, s, b, u)
+        with torch.set_grad_enabled(grad):
+            eager = _layer(gate, rows, index, dh)
+            with monkeypatch.context() as m:  # the compiled passes where the function runs (the CPU)
+                m.setattr(stem_rows, "_forward", stem_rows._fused_forward)
+                m.setattr(stem_rows, "_backward", stem_rows._fused_backward)
+                fused = _layer(gate, rows, index, dh)
+        g, r, d = gate, F.embedding(index, rows), dh
+        token_row = (d * F.silu(g)).abs().reshape(-1, COLS)
+        order = RowOrder.of(index, u)
+        per_row = [torch.zeros(u, COLS).index_add_(0, index.reshape(-1), x) for x in (2 * _ulp(token_row, eps),
+                                                                                        token_row)]
+        bounds = (2 * _ulp((F.silu(g) * r).abs(), eps), 2 * _ulp((d * r).abs(), eps),
+                  per_row[0] + 2 * order.lengths[:, None] * eps * per_row[1])
+        for name, f, e, bound in zip(("product", "gate gradient", "row gradient"), fused, eager, bounds):
+            assert f.shape == e.shape and ((f - e).abs() <= bound).all(), (seed, name)
+        assert len(fused) == (3 if grad else 1) and fused[0].requires_grad == grad
+    assert [len(torch._dynamo.eval_frame._debug_get_cache_entry_list(c)) for c in codes] == [1, 1]
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - before == 2

@@ -27,11 +27,13 @@ def test_fetch_gather_compares_both_gathers_on_equal_bytes():
 
 @pytest.mark.slow
 def test_stem_layer_times_dense_and_both_stem_paths():
-    records = json.loads(_run("stem_layer.py", "--models", "350M", "--tokens", "64", "--rounds", "1", "--warmup", "0",
+    records = json.loads(_run("stem_layer.py", "--models", "350M", "--tokens", "64", "--rounds", "2", "--warmup", "0",
                               "--json"))
     (record,) = records
     assert set(record["ms"]) == {"dense", "stem, gather", "stem"} and all(t > 0 for t in record["ms"].values())
     assert record["over_dense"]["dense"] == 1.0 and record["rows"] <= 64
+    lo, hi = record["rows_range"]  # a micro-batch of its own each round: the row count changes, as in training
+    assert lo < hi and lo <= record["rows"] <= hi and abs(record["expected_rows"] - record["rows"]) <= 8
 
 
 @pytest.mark.slow

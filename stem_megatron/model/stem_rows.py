@@ -12,8 +12,11 @@ keeps both for backward, and re-sorts the index in every layer's backward. Here:
   the tokens per row), a segmented sum: deterministic, and no sort on the device.
 
 On GPU the two elementwise passes are compiled with megatron-core's ``jit_fuser`` (``torch.compile``, as its fused
-SwiGLU), which fuses the gather into them. On CPU they run as torch's eager kernels, the same ones the
-``F.embedding`` path ran, so the values are bitwise today's (``tests/test_stem_rows.py``).
+SwiGLU), which fuses the gather into them, once a process: they see the tokens flattened (``[s*b, cols]``) and
+that dimension and the row count dynamic from the first call, since both change from step to step, and no
+``requires_grad``, which training and validation's no-grad call would otherwise guard apart. On CPU they run as
+torch's eager kernels, the same ones the ``F.embedding`` path ran, so the values are bitwise today's
+(``tests/test_stem_rows.py``).
 """
 
 from __future__ import annotations
@@ -48,7 +51,23 @@ def _backward(dh: torch.Tensor, g: torch.Tensor, rows: torch.Tensor, index: torc
     return torch.ops.aten.silu_backward(dh * F.embedding(index, rows), g), dh * F.silu(g)
 
 
-_fused_forward, _fused_backward = jit_fuser(_forward), jit_fuser(_backward)
+def _compiled(fn):
+    """``fn`` through ``jit_fuser``, compiled for any length of its arguments' first dimension (tokens or rows),
+    on detached arguments: dynamo would otherwise specialize on the first call's shapes and ``requires_grad``,
+    then recompile on the next step's row count and on validation's no-grad call (10-40 s a process on GPU,
+    issue 51)."""
+    compiled = jit_fuser(fn)
+
+    def call(*tensors):
+        tensors = [t.detach() for t in tensors]  # new tensors: the marks stay off the caller's
+        for t in tensors:
+            torch._dynamo.maybe_mark_dynamic(t, 0)
+        return compiled(*tensors)
+
+    return call
+
+
+_fused_forward, _fused_backward = _compiled(_forward), _compiled(_backward)
 
 
 class _SiLUTimesRows(torch.autograd.Function):
@@ -57,16 +76,23 @@ class _SiLUTimesRows(torch.autograd.Function):
         compact = rows.to(g.dtype)  # [u, cols]: cast before the gather, so tokens never hold fp32 rows
         ctx.save_for_backward(g, compact, index, perm, lengths)
         ctx.rows_dtype = rows.dtype
-        return (_fused_forward if g.is_cuda else _forward)(g, compact, index)
+        h = (_fused_forward if g.is_cuda else _forward)(_tokens(g), compact, index.reshape(-1))
+        return h.view(g.shape)
 
     @staticmethod
     def backward(ctx, dh):
         g, compact, index, perm, lengths = ctx.saved_tensors
-        dg, d_tokens = (_fused_backward if g.is_cuda else _backward)(dh.contiguous(), g, compact, index)
-        d_tokens = d_tokens.reshape(-1, d_tokens.shape[-1]).float()  # rows' gradients sum in fp32
+        dg, d_tokens = (_fused_backward if g.is_cuda else _backward)(_tokens(dh.contiguous()), _tokens(g), compact,
+                                                                     index.reshape(-1))
+        d_tokens = d_tokens.float()  # rows' gradients sum in fp32
         # unsafe: lengths come from RowOrder (each >= 1, summing to the tokens); the checks would sync the device
         d_rows = torch.segment_reduce(d_tokens.index_select(0, perm), "sum", lengths=lengths, axis=0, unsafe=True)
-        return dg, d_rows.to(ctx.rows_dtype), None, None, None
+        return dg.view(g.shape), d_rows.to(ctx.rows_dtype), None, None, None
+
+
+def _tokens(t: torch.Tensor) -> torch.Tensor:
+    """``[s, b, cols]`` as ``[s*b, cols]`` (a view for the layer's tensors): one token dimension to leave dynamic."""
+    return t.reshape(-1, t.shape[-1])
 
 
 def silu_times_rows(g: torch.Tensor, rows: torch.Tensor, index: torch.Tensor,
