@@ -21,7 +21,9 @@ so a variant that runs out of memory does not take the others with it):
                         8,947 rows a layer at 1B, 8,003 at 350M on one GPU)
 
 Shapes: `paper` (default with a GPU): +experiment=pretrain_350m and +experiment=pretrain_1b at sequence length
-2048, global batch 16 (32,768 tokens per step), micro-batch 4 (350M) and 2 (1B); `tiny` (default without one):
+2048, global batch 16 (32,768 tokens per step), micro-batch 4 (350M) and 2 (1B), and `1B-3L`, the 1B recipe with 3
+of its 16 layers (its widths and vocabulary: a STEM layer's cost against a dense one's, with one or two layers'
+tables to build; `tools/gpu_check.py`'s ratios); `tiny` (default without one):
 model=tiny, 16 x 128 tokens per step, micro-batch 8. Token ids are drawn from the 128k-vocabulary profile
 (benchmarks/data/token_counts_128k.npy): its V-1 most frequent ids, renumbered 1..V-1 in their order, for a model
 of vocabulary V (id 0 is EOD); the documents are written as an indexed dataset by stem-preprocess's writer
@@ -49,7 +51,6 @@ import os
 import platform
 import re
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -66,15 +67,17 @@ require_environment()  # before torch and megatron: another Python gets `make se
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+from benchmarks.process_tree import confined, take_charge  # noqa: E402
 from stem_megatron.data.tokenizer import EOD_TOKEN  # noqa: E402
+from stem_megatron.flops.distinct import expected_distinct_ids, profile_ids  # noqa: E402
 from stem_megatron.flops.memory import WITHIN_DENSE  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
-from row_sync import DEFAULT_COUNTS, expected_distinct, load_counts  # noqa: E402
+from row_sync import DEFAULT_COUNTS, load_counts  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 GIB, MB = 2**30, 1e6
-MIN_RUN_S = 60  # a run given less than this before --until would be stopped before its timed steps
+GRACE_S = 30  # a run stopped (--timeout, --until, SIGTERM): SIGTERM to its processes, then SIGKILL after this
 
 RESIDENT = "stem.resident_rows=16384"  # the working set (docs/gpu_step_v2.md: ~6.5k distinct ids a step at 32,768)
 RESIDENT_FULL = "stem.resident_rows=12288"  # every layer a STEM layer: two steps' rows and room, 6 GiB under 16,384
@@ -103,6 +106,7 @@ class Model:
     name: str
     overrides: tuple[str, ...]
     micro_batch: int
+    min_run_s: int = 60  # a run given less than this before --until would be stopped before its timed steps
 
 
 @dataclass(frozen=True)
@@ -115,7 +119,9 @@ class Shapes:
 
 SHAPES = {
     "tiny": Shapes((Model("tiny", ("model=tiny", "parallel=single"), 8),), global_batch=16, steps=6, warmup=2),
-    "paper": Shapes((Model("350M", ("+experiment=pretrain_350m", "model.seq_length=2048"), 4),
+    "paper": Shapes((Model("1B-3L", ("+experiment=pretrain_1b", "model.seq_length=2048", "model.num_layers=3"), 2,
+                           min_run_s=30),
+                     Model("350M", ("+experiment=pretrain_350m", "model.seq_length=2048"), 4),
                      Model("1B", ("+experiment=pretrain_1b", "model.seq_length=2048"), 2)),
                     global_batch=16, steps=8, warmup=3),
 }
@@ -166,18 +172,6 @@ def machine(gpu: Optional[dict]) -> str:
 
 
 # ---------------------------------------------------------------- data
-def profile_ids(counts: np.ndarray, vocab: int) -> tuple[np.ndarray, np.ndarray]:
-    """(ids 1..V-1, their probabilities): the profile's V-1 most frequent ids renumbered in their order, so a
-    model with the profile's vocabulary keeps its ids and a smaller one keeps the frequent ones."""
-    counts = counts.astype(np.float64)
-    counts[0] = 0.0  # id 0 is EOD
-    top = np.sort(np.argsort(-counts, kind="stable")[: vocab - 1])
-    weights = counts[top]
-    if weights.sum() == 0:
-        raise SystemExit("gpu_step.py: the token profile holds no counts")
-    return np.arange(1, len(top) + 1), weights / weights.sum()
-
-
 def write_corpus(out: Path, counts: np.ndarray, vocab: int, tokens: int, seed: int = 0) -> Path:
     """train/valid indexed datasets of documents whose ids follow the profile, written by stem-preprocess's writer
     through a word-level tokenizer over the ids ("t<id>"); reused while it holds at least ``tokens`` tokens."""
@@ -218,13 +212,6 @@ def compose(overrides: list[str]):
     return compose_run(overrides)
 
 
-def expected_distinct_ids(counts: np.ndarray, vocab: int, tokens: tuple[int, int]) -> tuple[int, int]:
-    """The distinct ids expected in a micro-batch's and in a step's ``tokens`` drawn from the profile (as
-    ``write_corpus`` draws them), e.g. 1,777 and 6,528 of 4,096 and 32,768 at V = 128,256."""
-    p = profile_ids(counts, vocab)[1]
-    return tuple(min(n, round(expected_distinct(p, n))) for n in tokens)
-
-
 def planned_bytes(overrides: list[str], nproc: int, gpu: bool, distinct: tuple[int, int]) -> Optional[int]:
     """The memory plan's device bytes per GPU (per rank on CPU) of rank 0's stage, as the out-of-memory line plans,
     at ``distinct`` ids of a micro-batch and a step."""
@@ -246,19 +233,14 @@ def rows_within(overrides: list[str], nproc: int, gpu: bool, distinct: tuple[int
 
 
 def launch(cmd: list[str], log: Path, timeout: float) -> tuple[int, str]:
-    """Run ``cmd`` in its own process group (a timeout stops torchrun and its workers); (exit code, stderr)."""
+    """Run ``cmd``; (exit code, stderr). At ``timeout``, or a SIGTERM to this script, it and every process it started
+    (torchrun's workers, in sessions of their own) get SIGTERM, then SIGKILL after ``GRACE_S`` (``confined``)."""
     env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    with open(log, "w") as out, open(log.with_suffix(".err"), "w") as err:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=err, cwd=REPO, env=env, start_new_session=True)
+    with open(log, "w") as out, open(log.with_suffix(".err"), "w") as err, confined(GRACE_S):
+        proc = subprocess.Popen(cmd, stdout=out, stderr=err, cwd=REPO, env=env)
         try:
             rc = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
             rc = None
     return (-1 if rc is None else rc), log.with_suffix(".err").read_text(errors="replace") + ("\n<timed out>" if
                                                                                             rc is None else "")
@@ -315,7 +297,7 @@ def run_variant(model: Model, variant: str, args, corpus: Path, vocab: int, gpu:
                        f"{gpu['total_memory'] / GIB:.1f} GiB (--run-all runs it anyway)")
         return result
     seconds = args.timeout if args.until is None else min(args.timeout, args.until - time.time())
-    if seconds < MIN_RUN_S:
+    if seconds < model.min_run_s:
         result.status, result.note = "not run", f"{max(seconds, 0):.0f} s left before --until"
         return result
     shutil.rmtree(out_dir, ignore_errors=True)
@@ -420,9 +402,10 @@ def print_profiles(results: list[Result], top: int) -> None:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shapes", choices=sorted(SHAPES), default=None,
-                    help="tiny (model=tiny) | paper (350M and 1B at 32,768 tokens a step); default: paper with a GPU")
+                    help="tiny (model=tiny) | paper (1B-3L, 350M and 1B at 32,768 tokens a step); default: paper with "
+                         "a GPU")
     ap.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, of {', '.join(VARIANTS)}")
-    ap.add_argument("--models", default=None, help="paper shapes: 350M,1B (default both)")
+    ap.add_argument("--models", default=None, help="paper shapes: of 1B-3L,350M,1B (default all)")
     ap.add_argument("--steps", type=int, default=None, help="steps per run (the last is profiled)")
     ap.add_argument("--warmup", type=int, default=None, help="first steps left out of the medians")
     ap.add_argument("--global-batch", type=int, default=None, help="sequences per step (default 16)")
@@ -439,6 +422,7 @@ def main(argv=None) -> None:
     ap.add_argument("--json", type=Path, help="write the records here")
     ap.add_argument("overrides", nargs="*", help="Hydra overrides for every run (e.g. stem.cache_rows=4096)")
     args = ap.parse_args(argv)
+    take_charge()  # a run's orphans come here, and a SIGTERM ends the running one's processes before this exits
     gpu = gpu_info()
     shapes_name = args.shapes or ("paper" if gpu else "tiny")
     shapes = SHAPES[shapes_name]

@@ -27,17 +27,128 @@ def test_doctor_trains_on_the_gpu_as_on_the_cpu(gpu_env):
     assert "ok       GPU training vs CPU" in proc.stdout, proc.stdout
 
 
-def test_gpu_training_with_host_tables_learns_and_prints_no_known_warning(gpu_env, tmp_path):
+def test_gpu_training_with_host_tables_learns_and_a_working_set_trains_alike(gpu_env, tmp_path):
     """A few bf16 steps of the demo model with host tables on one GPU: finite, falling losses, and none of the
-    warnings a GPU run printed at every step (torch's RMSNorm dtype mismatch, NCCL's barrier device guess)."""
-    proc = _run(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1", "-m", "stem_megatron.train",
-                 "parallel=single", "stem.placement=host", "train.steps=8", "train.eval_iters=0",
-                 "checkpoint.resume=false", f"data.dir={DEMO}", f"out_dir={tmp_path}"], gpu_env())
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    losses = [json.loads(line)["loss"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert len(losses) == 8 and all(math.isfinite(x) for x in losses) and losses[-1] < losses[0], losses
-    for known in ("Mismatch dtype between input and weight", "barrier(): using the device"):
-        assert known not in proc.stderr, proc.stderr
+    warnings a GPU run printed at every step (torch's RMSNorm dtype mismatch, NCCL's barrier device guess). The same
+    run with a working set of 2,048 rows a layer on the GPU (its rows updated there by torch's fused AdamW, the host
+    tables' by CPU Adam) has the same first loss and later ones within 5e-3 relative: the one end-to-end check of
+    the working set on a GPU outside the sanitizer (the first-contact review's ``train`` probe)."""
+    losses = {}
+    for name, extra in (("host", []), ("working set", ["stem.resident_rows=2048"])):
+        proc = _run(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1", "-m",
+                     "stem_megatron.train", "parallel=single", "stem.placement=host", *extra, "train.steps=8",
+                     "train.eval_iters=0", "checkpoint.resume=false", f"data.dir={DEMO}",
+                     f"out_dir={tmp_path / name}"], gpu_env())
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        metrics = (tmp_path / name / "metrics.jsonl").read_text().splitlines()
+        losses[name] = [json.loads(line)["loss"] for line in metrics]
+        for known in ("Mismatch dtype between input and weight", "barrier(): using the device"):
+            assert known not in proc.stderr, (name, proc.stderr)
+    host, working_set = losses["host"], losses["working set"]
+    assert len(host) == 8 and all(math.isfinite(x) for x in host) and host[-1] < host[0], host
+    assert len(working_set) == 8 and working_set[0] == host[0], (host, working_set)
+    assert all(abs(w - h) <= 5e-3 * abs(h) for h, w in zip(host, working_set)), (host, working_set)
+
+
+SDPA_FLASH = """
+import os, sys, torch
+from torch.distributed.elastic.utils.distributed import get_free_port
+os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(get_free_port()))
+from megatron.core.transformer.enums import AttnMaskType
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from stem_megatron import parallel
+from stem_megatron.model.gpt import transformer_config
+from stem_megatron.model.sdpa_attention import SDPAttention
+from stem_megatron.recipes import compose_run
+device, seq = torch.device(sys.argv[1]), int(sys.argv[2])
+parallel.initialize(1, 1, 0)
+cfg = compose_run(["+experiment=pretrain_1b"])
+config = transformer_config(cfg.model, cfg.parallel, on_gpu=device.type == "cuda", stem=cfg.stem)
+attention = SDPAttention(config=config, layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self")
+q = torch.randn(seq, 2, config.num_attention_heads, config.kv_channels, device=device, dtype=torch.bfloat16,
+                requires_grad=True)
+k, v = (torch.randn(seq, 2, config.num_query_groups, config.kv_channels, device=device, dtype=torch.bfloat16,
+                    requires_grad=True) for _ in range(2))
+with sdpa_kernel(SDPBackend.FLASH_ATTENTION):  # the only backend allowed: a call the flash kernel cannot take raises
+    attention(q, k, v, None).float().sum().backward()
+assert all(t.grad is not None for t in (q, k, v))
+print("flash", flush=True)
+parallel.destroy()
+"""
+
+
+def test_sdpa_takes_the_flash_kernel_at_1b_shapes(gpu_env):
+    """``SDPAttention`` as a 1B layer calls it (GQA, 32 query heads on 8 key/value groups, bf16, causal, no mask
+    tensor; micro-batch 2 x 2048) forward and backward with FlashAttention as SDPA's only backend: it takes the
+    call, so training runs flash and not the math kernel that stores every s x s score (the first-contact review's
+    ``probe_layer`` (a)). On the CPU the script runs with torch's CPU flash kernel (tests/test_gpu_check.py)."""
+    proc = _run(["-c", SDPA_FLASH, "cuda", "2048"], gpu_env(), timeout=600)
+    assert proc.returncode == 0 and "flash" in proc.stdout, proc.stdout + proc.stderr
+
+
+SYNC_FREE = """
+import sys, torch
+from stem_megatron.host_tables.host_rows import KINDS
+from stem_megatron.host_tables.pinned import DeviceToHost
+from stem_megatron.host_tables.row_adam import RowAdam
+from stem_megatron.host_tables.slot_adam import SlotAdam
+from stem_megatron.model.stem_rows import RowOrder, silu_times_rows
+device = torch.device(sys.argv[1])
+S, B, COLS, U = map(int, sys.argv[2:6])
+g = torch.Generator().manual_seed(0)
+index = torch.cat([torch.arange(U), torch.randint(0, U, (S * B - U,), generator=g)])
+index = index[torch.randperm(S * B, generator=g)].view(S, B)  # every row read at least once, as a fetch's are
+order = RowOrder(*(t.to(device) for t in RowOrder.of(index, U)))  # made on the host, as the prefetcher makes it
+index = index.to(device)
+rows = (torch.randn(U, COLS, generator=g) * 0.02).to(device).requires_grad_()  # the fetch's fp32 leaf
+gate = torch.randn(S, B, COLS, generator=g).to(device, torch.bfloat16).requires_grad_()
+state = {kind: torch.rand(2 * U, COLS, generator=g).to(device) * (0.02 if kind == "master" else 1e-6)
+         for kind in KINDS}
+slots = torch.randperm(2 * U, generator=g)[:U].sort().values  # on the host, as the working set passes them
+grads = torch.randn(U, COLS, generator=g).to(device) * 1e-3
+adam = SlotAdam(RowAdam((0.9, 0.95), 1e-8, 0.1), "fused", device)
+landing = DeviceToHost(device)
+landing.reserve("layer", U * COLS * 4)
+
+
+def layer():
+    out = silu_times_rows(gate, rows, index, order)
+    out.backward(torch.ones_like(out))
+
+
+calls = {"the STEM layer's forward and backward": layer,
+         "slot AdamW, lazy": lambda: adam.update(2, 1e-3, state, slots, grads),
+         "slot AdamW, dense (the other slots decayed)": lambda: adam.update(3, 1e-3, state, slots[:100], grads[:100],
+                                                                            slots[100:]),
+         "a row-gradient landing copy": lambda: landing.copy(grads, "layer")}
+synced = []
+for name, call in calls.items():
+    call()  # once before: compiles, the allocator's first blocks
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+    try:
+        call()
+    except RuntimeError as error:
+        synced.append(f"{name}: {error}")
+    finally:
+        if device.type == "cuda":
+            torch.cuda.set_sync_debug_mode(0)
+            torch.cuda.synchronize()
+assert not synced, synced
+print("no sync", flush=True)
+"""
+
+
+def test_the_stem_layer_slot_adam_and_a_landing_copy_never_synchronise_the_device(gpu_env):
+    """At 1B shapes (micro-batch 2 x 2048 tokens on 1,777 distinct rows, d_ff 8192), under torch's sync debug mode
+    set to raise: the STEM layer's forward and backward (``silu_times_rows``, compiled on CUDA, its segmented sum
+    unchecked), the working set's fused AdamW on slots, lazy and dense (host slot indices, as the set passes them),
+    and a row-gradient landing copy (``DeviceToHost``) make no synchronising CUDA call: none of them stalls the
+    step's stream (the first-contact review's ``probe_layer`` (c)). On the CPU the script runs without the mode
+    (tests/test_gpu_check.py)."""
+    proc = _run(["-c", SYNC_FREE, "cuda", "2048", "2", "8192", "1777"], gpu_env(), timeout=600)
+    assert proc.returncode == 0 and "no sync" in proc.stdout, proc.stdout + proc.stderr
 
 
 def test_pinned_staging_delivers_every_fetch_intact(gpu_env):

@@ -1,14 +1,24 @@
 """``make gpu-check`` where no GPU is: the goals table it builds from a step benchmark's records (the ratios, what a
-missing run leaves, a baseline beside), what it runs inside a lease's deadline and what a second command adds, and its
-one-line refusal on a machine without a GPU."""
+missing run leaves, a baseline beside), its plan (7 minutes with the setup, the dry run), what it runs inside a
+lease's deadline and what a second command adds, that every process a part starts ends with it (a stand-in whose
+grandchild ignores SIGTERM in a session of its own), that a failing gpu test's report is written as it happens,
+the gpu tests' scripts on the CPU, and its one-line refusal on a machine without a GPU."""
 
+import ast
+import json
+import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
-from gpu_check import (HEADLINE, OTHERS, PARTS, RUN_S, STEPS_START_S, goal_rows, merge_records, plan_part,  # noqa: E402
-                       summary)
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tools"))
+from gpu_check import (BUDGET_S, DOCTOR_TEST, EXTRA, GOALS, GPU_ONLY, PARTS, RUN_S, STEPS_START_S,  # noqa: E402
+                       SUMMARY_S, TRAINING, goal_rows, merge_records, plan_part, summary)
 
 
 def _record(model, variant, step, peak=None, status="ok", note=""):
@@ -22,7 +32,8 @@ RECORDS = [_record("350M", "dense", 1.0), _record("350M", "stem_1_3_host_lazy", 
            _record("1B", "dense", 2.0, peak=40e9), _record("1B", "stem_1_3_host_lazy", 1.9, peak=42e9),
            _record("1B", "stem_1_3_resident_dense", 2.4)]
 LAYER = [{"model": "350M", "over_dense": {"dense": 1.0, "stem, gather": 0.9, "stem": 0.7}}]
-PART = {p.name: p for p in PARTS}
+PART = {p.name: p for p in PARTS + EXTRA}
+HEADLINE = PART["1B-3L headline"].variants
 
 
 def test_the_goals_are_ratios_of_the_same_machine_and_a_missing_run_says_why():
@@ -34,7 +45,8 @@ def test_the_goals_are_ratios_of_the_same_machine_and_a_missing_run_says_why():
     device = rows["350M STEM-1/3 host / device tables"]
     assert device["value"] is None and device["met"] is None
     assert device["why"] == "stem_1_3_device: out of memory (not run: the plan's 90 GiB)"
-    assert rows["1B STEM-full host / dense"]["why"] == "stem_full_host: not run"
+    assert "1B STEM-full host / dense" not in rows  # its tables (189 GB) exceed the lent machine's host
+    assert rows["1B-3L STEM-full working set, lazy / dense"]["why"] == "stem_full_resident_lazy: not run"
     peak = rows["1B STEM-1/3 host peak / dense peak"]
     assert abs(peak["value"] - 1.05) < 1e-12 and peak["met"] is True
     # the recipe's dense Adam: a figure without a bound
@@ -62,27 +74,28 @@ def test_the_summary_puts_a_baseline_beside_then_the_parts_then_the_audits():
 
 def test_a_deadline_runs_what_fits_in_order_and_a_second_command_runs_only_the_rest():
     state = {"parts": {}, "records": [], "layer": []}
-    headline = PART["1B headline"]
-    # two of the four 1B runs fit: the first two, dense first
-    left = STEPS_START_S + 2 * RUN_S["1B"] + 1
+    headline = PART["1B-3L headline"]
+    tests = PART["gpu tests"].seconds
+    # two of the four 1B-3L runs fit: the first two, dense first
+    left = STEPS_START_S + 2 * RUN_S["1B-3L"] + 1
     assert plan_part(headline, state, left) == (("dense", "stem_1_3_resident_lazy"), "")
     assert plan_part(headline, state, left - 2)[0] == ("dense",)  # the part's own start counts
-    assert plan_part(headline, state, STEPS_START_S + RUN_S["1B"] - 1) == (
-        None, f"not run: {STEPS_START_S + RUN_S['1B'] - 1} s left, a run needs about {RUN_S['1B']} s")
-    assert plan_part(PART["gpu tests"], state, 30.0) == (None, "not run: 30 s left, it needs about 200 s")
+    assert plan_part(headline, state, STEPS_START_S + RUN_S["1B-3L"] - 1) == (
+        None, f"not run: {STEPS_START_S + RUN_S['1B-3L'] - 1} s left, a run needs about {RUN_S['1B-3L']} s")
+    assert plan_part(PART["gpu tests"], state, 30.0) == (None, f"not run: 30 s left, it needs about {tests} s")
     assert plan_part(PART["gpu tests"], state, None) == ((), "")
     # what the first command measured (one run stopped by the deadline counts as not run)
-    merge_records(state, [_record("1B", "dense", 2.0), _record("1B", "stem_1_3_resident_lazy", None,
-                                                               status="not run", note="50 s left before --until")])
-    state["parts"]["gpu tests"] = {"status": "exit 1", "seconds": 100.0, "planned": 120}
+    merge_records(state, [_record("1B-3L", "dense", 2.0), _record("1B-3L", "stem_1_3_resident_lazy", None,
+                                                                  status="not run", note="50 s left before --until")])
+    state["parts"]["gpu tests"] = {"status": "exit 1", "seconds": 100.0, "planned": tests}
     assert plan_part(headline, state, None) == (
-        ("stem_1_3_resident_lazy", "stem_1_3_resident_fit", "stem_1_3_host_lazy"), "")
+        ("stem_1_3_resident_lazy", "stem_1_3_host_lazy", "stem_full_resident_lazy"), "")
     assert plan_part(PART["gpu tests"], state, None) == (None, "ran earlier")  # a failure is not rerun
-    merge_records(state, [_record("1B", "stem_1_3_resident_lazy", 1.8), _record("1B", "stem_1_3_resident_fit", 1.85),
-                          _record("1B", "stem_1_3_host_lazy", 1.9)])
+    merge_records(state, [_record("1B-3L", "stem_1_3_resident_lazy", 1.8), _record("1B-3L", "stem_1_3_host_lazy", 1.9),
+                          _record("1B-3L", "stem_full_resident_lazy", 1.7)])
     assert plan_part(headline, state, None) == (None, "ran earlier")
     assert [(r["variant"], r["step_time_s"]) for r in state["records"]] == [
-        ("dense", 2.0), ("stem_1_3_resident_lazy", 1.8), ("stem_1_3_resident_fit", 1.85), ("stem_1_3_host_lazy", 1.9)]
+        ("dense", 2.0), ("stem_1_3_resident_lazy", 1.8), ("stem_1_3_host_lazy", 1.9), ("stem_full_resident_lazy", 1.7)]
 
 
 class _Clock:
@@ -100,26 +113,27 @@ class _Clock:
 
 def test_two_commands_in_one_lease_measure_everything_once_and_return_what_a_lease_can(tmp_path, monkeypatch):
     """main() with its parts stood in for (each takes its planned seconds and writes what its command would): the
-    first command, with 570 s (docs/gpu.md's), runs the tests, 1B's headline and what else fits, and leaves the rest
-    with why; the second (--resume) runs only the rest; OUT holds at most 8 files, and the summary every figure of
-    both."""
-    import json
-
+    first command, as docs/gpu.md's (480 s from the start, the setup taking its planned seconds before this script),
+    runs the default plan whole; the second (--resume --all) runs what else fits its 600 s in order and leaves the
+    rest with why; OUT holds at most 8 files, and the summary every figure of both."""
     import gpu_check
 
     import stem_megatron.doctor.cuda
 
     clock = _Clock()
     monkeypatch.setattr(gpu_check, "time", clock)
+    monkeypatch.setattr(gpu_check, "take_charge", lambda: None)  # not this pytest process (the stand-in test's)
     monkeypatch.setattr(stem_megatron.doctor.cuda, "nvidia_smi_gpus", lambda: ["H100"])
     ran = []
 
     def step(name, cmd, log, timeout):
-        part = next(p for p in PARTS if p.name == name)
+        part = PART[name]
         ran.append((name, tuple(cmd[cmd.index("--variants") + 1].split(",")) if "--variants" in cmd else ()))
         assert timeout <= until - clock.now + 20  # stopped by the deadline at the latest
         if part.kind == "steps":  # whose runs stop themselves by then
             assert float(cmd[cmd.index("--until") + 1]) <= until
+        if part.kind == "tests":
+            assert cmd[-len(part.tests):] == [f"tests/test_gpu.py::{test}" for test in part.tests]
         clock.now += part.seconds if part.kind != "steps" else STEPS_START_S + RUN_S[part.model] * len(ran[-1][1])
         assert clock.now <= until  # it fitted
         if part.kind == "steps":
@@ -132,48 +146,241 @@ def test_two_commands_in_one_lease_measure_everything_once_and_return_what_a_lea
 
     monkeypatch.setattr(gpu_check, "step", step)
     work, first, second = tmp_path / "work", tmp_path / "out1", tmp_path / "out2"
-    until = clock.now + 570
-    assert gpu_check.main(["--out", str(first), "--work", str(work), "--until", str(until)]) == 0
-    # 10 s kept for the summary, 200 s of tests, 1B's four runs (20 + 4 x 75), none of the rest in 40 s
-    assert ran == [("gpu tests", ()), ("1B headline", HEADLINE["1B"])]
+    start = clock.now
+    clock.now += PART["setup"].seconds  # make setup, before the script
+    until = start + 480
+    assert gpu_check.main(["--out", str(first), "--work", str(work), "--until", str(until), "--since",
+                           str(start)]) == 0
+    assert ran == [("gpu tests", ()), ("1B-3L headline", HEADLINE), ("layer", ())]
     text = (first / "summary.md").read_text()
-    assert "| layer | not run: 40 s left, it needs about 45 s | - | - |" in text
-    assert "| 350M headline | not run: 40 s left, a run needs about 55 s | - | - |" in text
-    assert "| stem-doctor | not run: 40 s left, it needs about 90 s | - | - |" in text
-    assert "| 1B STEM-1/3 working set, lazy / dense | 0.90x | 1.00x | 0.95x | yes |" in text
-    assert "| 1B STEM-1/3 working set within dense + 10%, peak / dense peak | 1.00x | 1.10x | - | yes |" in text
-    assert "350M STEM-1/3 working set, lazy / dense | - (stem_1_3_resident_lazy: not run)" in text
+    assert f"| setup | ok | {PART['setup'].seconds} | {PART['setup'].seconds} |" in text
+    assert "| 1B-3L STEM-1/3 working set, lazy / dense | 0.90x | 1.00x | 0.95x | yes |" in text
+    assert "| 1B-3L STEM-1/3 host, lazy Adam / dense | 0.90x | 1.00x | 0.95x | yes |" in text
+    assert "| 1B-3L STEM-full working set, lazy / dense | 0.90x | 0.90x | 0.85x | yes |" in text
+    assert "| 350M STEM layer / dense FFN, forward + backward | 0.70x | 0.75x | 0.67x | yes |" in text
+    assert "STEM-1/3 host / device tables" not in text and "| 1B STEM-1/3" not in text  # --all's, not planned
+    assert "gpu tests, training" not in text
     assert len(list(first.iterdir())) <= 8
     ran.clear()
-    until = clock.now + 1000
-    assert gpu_check.main(["--out", str(second), "--work", str(work), "--until", str(until), "--resume"]) == 0
-    # 990 s: the layer (45), 350M's headline (185), the others at 1B (395) and 350M (350); 15 s: no doctor
-    assert ran == [("layer", ()), ("350M headline", HEADLINE["350M"]), ("1B others", OTHERS["1B"]),
-                   ("350M others", OTHERS["350M"])]
+    until = clock.now + 600
+    assert gpu_check.main(["--out", str(second), "--work", str(work), "--until", str(until), "--resume",
+                           "--all"]) == 0
+    # 590 s: the training tests (300), 1B-3L's other variants (20 + 4 x 40), and of 350M's headline what its 110 s
+    # hold (20 + 55)
+    assert ran == [("gpu tests, training", ()), ("1B-3L others", PART["1B-3L others"].variants),
+                   ("350M headline", ("dense",))]
     saved = json.loads((second / "gpu_step.json").read_text())
     assert sorted((r["model"], r["variant"]) for r in saved["records"]) == sorted(
-        (m, v) for m in ("1B", "350M") for v in HEADLINE[m] + OTHERS[m])
+        [("1B-3L", v) for v in HEADLINE + PART["1B-3L others"].variants] + [("350M", "dense")])
     text = (second / "summary.md").read_text()
-    assert "| gpu tests | ok | 1 | 200 |" in text and "| stem-doctor | not run: 15 s left, it needs about 90 s" in text
+    assert "| gpu tests | ok | 1 | 95 |" in text
+    assert "| 1B headline | not run: 35 s left, a run needs about 125 s | - | - |" in text
+    assert "| stem-doctor | not run: 35 s left, it needs about 90 s | - | - |" in text
+    assert "| 1B-3L STEM-1/3 host / device tables | 1.00x | 1.05x | - | yes |" in text
     assert "| 350M STEM layer / dense FFN, forward + backward | 0.70x | 0.75x | 0.67x | yes |" in text
     assert len(list(second.iterdir())) <= 8
 
 
-def test_the_parts_put_the_goals_headline_first_and_every_variant_in_the_benchmark():
-    from benchmarks.gpu_step import VARIANTS
+def test_the_default_plan_fits_seven_minutes_with_its_setup_and_the_dry_run_prints_it(capsys, tmp_path):
+    """The dry run prints every part with its planned seconds and the total; without --all that total, setup and
+    summary included, is at most 7 minutes; --all appends the rest. It needs no GPU (no nvidia-smi here)."""
+    import gpu_check
 
-    assert [p.name for p in PARTS][:2] == ["gpu tests", "1B headline"]
-    steps = [p for p in PARTS if p.kind == "steps"]
-    for model in ("350M", "1B"):
-        assert sorted(v for p in steps if p.model == model for v in p.variants) == sorted(VARIANTS)
-    assert len({p.log for p in PARTS}) + 4 <= 8  # with gpu_step.json, two audits and summary.md: what a lease returns
+    def printed(argv):
+        assert gpu_check.main(["--dry-run", *argv]) == 0
+        lines = capsys.readouterr().out.splitlines()
+        return lines, {line[:23].strip(): int(line[23:28]) for line in lines[1:]}
+
+    lines, seconds = printed([])
+    assert list(seconds)[:-2] == [p.name for p in PARTS] and list(seconds)[-2:] == ["summary", "total"]
+    assert seconds["total"] == sum(v for k, v in seconds.items() if k != "total") <= BUDGET_S == 420
+    assert seconds["setup"] == PART["setup"].seconds and seconds["summary"] == SUMMARY_S
+    assert seconds["1B-3L headline"] == STEPS_START_S + 4 * RUN_S["1B-3L"]
+    assert "benchmarks/gpu_step.py 1B-3L: dense, stem_1_3_resident_lazy, stem_1_3_host_lazy, " in lines[3]
+    _, everything = printed(["--all"])
+    assert list(everything)[:-2] == [p.name for p in PARTS + EXTRA] and everything["total"] > BUDGET_S
+    env = {"PATH": str(tmp_path), "HOME": str(tmp_path)}
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "gpu_check.py"), "--dry-run"], capture_output=True,
+                          text=True, cwd=ROOT, env=env, timeout=300)
+    assert proc.returncode == 0 and proc.stdout.splitlines() == lines, proc.stdout + proc.stderr
+
+
+def test_the_parts_run_the_goals_figures_first_and_every_gpu_test_once():
+    """The default plan holds issue 31's step figures at 1B width (STEM-1/3 with a working set and host tables,
+    STEM-full, each against dense) and the layer's; every goal's two runs are in some part of its model; every
+    test of tests/test_gpu.py is in one tests part, the doctor's excepted (the doctor part runs stem-doctor itself);
+    the files a command writes stay within a lease's 8."""
+    assert [p.name for p in PARTS] == ["setup", "gpu tests", "1B-3L headline", "layer"]
+    assert {"dense", "stem_1_3_resident_lazy", "stem_1_3_host_lazy", "stem_full_resident_lazy"} <= set(HEADLINE)
+    runs = {(p.model, v) for p in PARTS + EXTRA if p.kind == "steps" for v in p.variants}
+    for figure, model, top, bottom, *_ in GOALS:
+        assert {(model, top), (model, bottom)} <= runs, (model, figure)
+    source = ast.parse((ROOT / "tests" / "test_gpu.py").read_text())
+    tests = [node.name for node in source.body if isinstance(node, ast.FunctionDef) and node.name.startswith("test_")]
+    assert sorted(GPU_ONLY + TRAINING + (DOCTOR_TEST,)) == sorted(tests)
+    assert len({p.log for p in PARTS + EXTRA if p.log}) + 4 <= 8  # with gpu_step.json, 2 audits and summary.md
+
+
+def test_every_planned_run_s_tables_fit_the_lent_machine_s_host():
+    """The host-table runs the parts plan (STEM layers x V x d_ff fp32 rows and two moments, by the recipes' shapes
+    and the variant's ratio) fit the lent machine's 128 GiB; 1B-3L's build one or two layers' 12.6 GB."""
+    from benchmarks.gpu_step import SHAPES, VARIANTS
+
+    from stem_megatron.layer_plan import stem_layer_indices
+    from stem_megatron.recipes import compose_run
+
+    models = {m.name: compose_run(list(m.overrides)).model for m in SHAPES["paper"].models}
+    tables = {}
+    for part in PARTS + EXTRA:
+        for variant in part.variants:
+            overrides = VARIANTS[variant][1]
+            if "stem.placement=host" in overrides:
+                m = models[part.model]
+                layers = stem_layer_indices(m.num_layers, "full" if "variant=stem_full" in overrides else "1/3")
+                tables[part.model, variant] = len(layers) * m.vocab_size * m.ffn_hidden_size * 4 * 3
+    assert max(tables.values()) <= 128 * 2**30, tables
+    assert tables["1B-3L", "stem_1_3_host_lazy"] == 128256 * 8192 * 12
+    assert tables["1B-3L", "stem_full_resident_lazy"] == 2 * 128256 * 8192 * 12
+
+
+# a part standing in for gpu_step: it starts a grandchild in a session of its own that ignores SIGTERM (as torch
+# elastic starts its workers), then exits at once ("exits") or sleeps (ended by SIGTERM, as gpu_step was)
+STAND_IN = """
+import os, subprocess, sys, time
+where, mode = sys.argv[1], sys.argv[2]
+grandchild = (
+    "import os, signal, sys, time\\n"
+    "signal.signal(signal.SIGTERM, signal.SIG_IGN)\\n"
+    "open(sys.argv[1] + '/grandchild.tmp', 'w').write(str(os.getpid()))\\n"
+    "os.replace(sys.argv[1] + '/grandchild.tmp', sys.argv[1] + '/grandchild.pid')\\n"
+    "time.sleep(120)\\n")
+subprocess.Popen([sys.executable, "-c", grandchild, where], start_new_session=True)
+while not os.path.exists(where + "/grandchild.pid"):
+    time.sleep(0.01)
+open(where + "/part.tmp", "w").write(str(os.getpid()))
+os.replace(where + "/part.tmp", where + "/part.pid")
+if mode != "exits":
+    time.sleep(120)
+"""
+# gpu_check.main with the stand-in as its one part (stopped after 1 s where it "times out"), a short grace, and a GPU
+# listed (the doctor's module stood in for: no torch to import)
+CHECK = """
+import sys, types
+sys.path.insert(0, "tools")
+import gpu_check
+where, mode, stand_in = sys.argv[1:4]
+sys.modules["stem_megatron.doctor.cuda"] = types.SimpleNamespace(nvidia_smi_gpus=lambda: 1)
+gpu_check.GRACE_S = 0.5
+gpu_check.PARTS = (gpu_check.Part("stand-in", "layer", "stand_in.log", 1, 1 if mode == "times out" else 60),)
+gpu_check.command = lambda *args: [sys.executable, "-c", stand_in, where, mode]
+sys.exit(gpu_check.main(["--out", where + "/out", "--work", where + "/work"]))
+"""
+# gpu_step with the stand-in as its run
+STEP = """
+import sys
+from pathlib import Path
+sys.path.insert(0, "benchmarks")
+import gpu_step
+where, mode, stand_in = sys.argv[1:4]
+gpu_step.GRACE_S = 0.5
+gpu_step.take_charge()
+gpu_step.launch([sys.executable, "-c", stand_in, where, mode], Path(where) / "run.log", 60)
+"""
+
+
+def _running(marker: str) -> list[int]:
+    """The processes whose command line holds ``marker``."""
+    found = []
+    for entry in os.listdir("/proc"):
+        try:
+            if entry.isdigit() and marker in Path(f"/proc/{entry}/cmdline").read_bytes().decode(errors="replace"):
+                found.append(int(entry))
+        except OSError:
+            continue
+    return found
+
+
+@pytest.mark.parametrize("driver, mode, code", [
+    pytest.param(CHECK, "exits", 0, id="gpu_check-part-ends"),
+    pytest.param(CHECK, "times out", 1, id="gpu_check-part-times-out"),
+    pytest.param(CHECK, "stopped", 143, id="gpu_check-sigterm"),
+    pytest.param(STEP, "stopped", 143, id="gpu_step-sigterm", marks=pytest.mark.slow),  # gpu_step imports torch
+])
+def test_no_process_of_a_part_outlives_it(tmp_path, driver, mode, code):
+    """A part whose grandchild ignores SIGTERM in a session of its own, left behind as the part exits, stopped at
+    the part's cap, or stopped with gpu_check (or gpu_step) by SIGTERM: when the command has ended, no process of
+    the part is there any more, not even unreaped; gpu_check's summary says how the part ended. Whatever fails,
+    nothing of the test is left running (the finally ends every process naming its folder)."""
+    where = str(tmp_path)
+    command = subprocess.Popen([sys.executable, "-c", driver, where, mode, STAND_IN], cwd=ROOT,
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        files = [tmp_path / "grandchild.pid", tmp_path / "part.pid"]
+        deadline = time.monotonic() + 60
+        while not all(f.exists() for f in files) and command.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        pids = [int(f.read_text()) for f in files if f.exists()]
+        if mode == "stopped" and len(pids) == 2:
+            command.send_signal(signal.SIGTERM)
+        output = command.communicate(timeout=60)[0]
+        assert len(pids) == 2 and command.returncode == code, output
+        assert [pid for pid in pids if Path(f"/proc/{pid}").exists()] == [], output
+        assert _running(where) == []
+        if driver == CHECK:
+            status = {"exits": "ok", "times out": "timed out", "stopped": "stopped (SIGTERM)"}[mode]
+            assert f"| stand-in | {status} |" in (tmp_path / "out" / "summary.md").read_text()
+    finally:
+        command.kill()
+        command.wait()
+        for pid in _running(where):
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_a_failing_gpu_test_s_report_is_written_as_it_happens(tmp_path):
+    """The tests part's pytest (its command: gpu_check's own hook loaded): a failure's report is in the log while
+    the next test still runs, so a part stopped at its cap keeps it; each test's verdict comes as it ends."""
+    import gpu_check
+
+    (tmp_path / "test_stand_in.py").write_text(
+        "import time\n\n\ndef test_fails():\n    assert 1 + 1 == 3, 'the report'\n\n\n"
+        "def test_runs_on():\n    time.sleep(120)\n")
+    part = gpu_check.Part("gpu tests", "tests")
+    cmd = [*gpu_check.command(part, (), None, None, tmp_path / "unused"), str(tmp_path / "test_stand_in.py")]
+    log = tmp_path / "gpu_tests.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        deadline = time.monotonic() + 60
+        while "test_runs_on" not in log.read_text() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        text = log.read_text()
+        assert "test_stand_in.py::test_fails FAILED" in text, text
+        assert "test_stand_in.py::test_fails failed (call)" in text and "AssertionError: the report" in text, text
+        assert "short test summary" not in text, text  # not pytest's summary at the end: the session runs on
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.mark.slow
+def test_the_gpu_tests_scripts_run_on_the_cpu():
+    """The scripts of tests/test_gpu.py's SDPA and sync tests, at small shapes on the CPU: SDPA with torch's CPU
+    flash kernel as its only backend, and the STEM layer, slot AdamW and landing copy (no sync debug mode there),
+    so that a lent GPU's minutes are not lost to a script that cannot run."""
+    from test_gpu import SDPA_FLASH, SYNC_FREE
+
+    for script, args, printed in ((SDPA_FLASH, ["cpu", "128"], "flash"),
+                                  (SYNC_FREE, ["cpu", "64", "2", "32", "40"], "no sync")):
+        proc = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, cwd=ROOT,
+                              timeout=600)
+        assert proc.returncode == 0 and printed in proc.stdout, proc.stdout + proc.stderr[-3000:]
 
 
 def test_gpu_check_refuses_a_machine_without_a_gpu(tmp_path):
     """No nvidia-smi on the PATH (as on this CI machine; hidden here on a GPU node too): one line, exit 2."""
-    root = Path(__file__).resolve().parents[1]
     env = {"PATH": str(tmp_path), "HOME": str(tmp_path)}
-    proc = subprocess.run([sys.executable, str(root / "tools" / "gpu_check.py")], capture_output=True, text=True,
-                          cwd=root, env=env, timeout=300)
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "gpu_check.py")], capture_output=True, text=True,
+                          cwd=ROOT, env=env, timeout=300)
     assert proc.returncode == 2 and proc.stderr.strip() == (
         "gpu-check: no GPU here (nvidia-smi lists none): run it on a GPU node (docs/gpu.md)")
