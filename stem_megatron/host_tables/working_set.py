@@ -15,8 +15,14 @@ estimate). With a working set (``stem.resident_rows``) every STEM layer keeps sl
   on a side stream, landed by the Adam thread beside the next step. The entering rows are loaded ahead, while the
   step before runs (``preload``, called by the prefetch thread as it announces a step; with dense Adam only until
   that step's update begins, each row once its host decay of the last step is done: ``later_decay``). Those
-  that find no free slot then are gathered then (``staged_rows.StagedRows``) and put in place at ``admit`` on the
-  side stream, each layer's first reader waiting for its own (dense Adam: with the step's decay, which they missed).
+  that find no free slot then are gathered then (``staged_rows.StagedRows``), copied at ``admit`` and put in place
+  by each layer's first reader (dense Adam: with the step's decay, which they missed).
+
+On GPU the slots' tensors are the compute stream's alone, whichever thread issues the work: the side streams copy
+entering rows into tensors of their own, which the compute stream puts in place after their event, and copy leaving
+rows out of tensors the compute stream gathered. Rows are disjoint where the two overlap in time (the step's against
+the next step's), but torch's CUDA sanitizer keys an access by the tensor, not by the rows: a side stream writing free
+slots while the compute stream reads others is a race to it (issue 51; tests/test_working_set_streams.py checks this).
 
 The host tables stay the record of every row not resident; ``write_back`` makes them whole for a reader of the
 tables (``store.settle``: checkpoints, export, validation). The update keeps today's semantics (``slot_adam``:
@@ -85,18 +91,15 @@ class WorkingSet:
         self.ahead, self.dense = ahead, dense
         rows = staged_rows(moving_rows or capacity, len(layers)) if ahead else 0
         self.staged = StagedRows(layers, cols, rows, self.h2d.copies)
-        self._arriving: dict[int, torch.cuda.Event] = {}  # (GPU) layer -> the end of its staged rows' put
+        self._arriving: dict[int, tuple] = {}  # (GPU) layer -> its staged rows copied, to put in place (``_arrived``)
+        self.compute = torch.cuda.current_stream(device) if device.type == "cuda" else None  # the training thread's
         self.running = torch.empty(0, dtype=torch.int64)  # the ids of the step now running (the last admitted)
         self._lock = threading.Lock()  # the slot map: ``admit`` (training thread) and ``preload`` (prefetch thread)
         self._landed = threading.Event()  # the rows that left at the last ``admit`` are on the host again
         self._landed.set()
-        self._updated = None  # (GPU) event: the compute stream at the last ``admit``'s end (the slots' updates)
-        self._loaded = None  # (GPU) event: the side stream's ``preload`` work
         self._preloadable = False  # (dense) from an ``admit`` to the next ``begin_update``: ``preload`` may load
         self.stats = self.new_stats()
         self._grow(min(capacity, vocab_size))
-        if device.type == "cuda":  # a load ahead before the first admit comes after the fresh slots' zeros
-            self._updated = torch.cuda.current_stream().record_event()
 
     @staticmethod
     def new_stats() -> dict:
@@ -159,13 +162,11 @@ class WorkingSet:
     # ---- after the clip ----
     def begin_update(self) -> None:
         """(dense, before the first ``update`` of a step) Rows loaded ahead so far are updated with the set (a zero
-        gradient, as the host would decay them); ``preload`` loads no more until the next ``admit``, since a row
-        entering later would miss both this update and the host's decay of the rows outside."""
+        gradient, as the host would decay them: ``preload`` issued their puts before it let go of the lock);
+        ``preload`` loads no more until the next ``admit``, since a row entering later would miss both this update
+        and the host's decay of the rows outside."""
         with self._lock:
             self._preloadable = False
-            if self.device.type == "cuda" and self._loaded is not None:
-                torch.cuda.current_stream().wait_event(self._loaded)
-                self._loaded = None
 
     def update(self, step: int, lr: float, layer: int, ids: torch.Tensor, grads: torch.Tensor) -> None:
         """AdamW on ``layer``'s slots of ``ids`` (sorted) with ``grads`` (``[len(ids), cols]``, on the device);
@@ -187,13 +188,9 @@ class WorkingSet:
         """Make the sorted ``ids`` (the next step's) resident. Returns the landing of the rows that left, to run
         on the Adam thread before anything reads the host record again (None: none left). Rows leave in the
         order of fewest steps that read them, then id: the same rows on every run. Rows ``preload`` brought
-        ahead are resident already; the compute stream waits for them here. ``missed`` (dense Adam, after a step's
-        update): the entering rows take that update first, on the host before they load, or, staged, in their
-        slots (the same kernel on CPU: bitwise)."""
+        ahead are in their slots already. ``missed`` (dense Adam, after a step's update): the entering rows take that
+        update first, on the host before they load, or, staged, in their slots (the same kernel on CPU: bitwise)."""
         with self._lock:
-            if self.device.type == "cuda" and self._loaded is not None:
-                torch.cuda.current_stream().wait_event(self._loaded)
-                self._loaded = None
             self._arrived()
             self.counts[ids] += 1
             entering = self.outside(ids)
@@ -217,20 +214,19 @@ class WorkingSet:
                 self._enter_staged(entering[mask], slots[mask], rows, missed)
             self.running = ids
             self._preloadable = True
-            if self.device.type == "cuda":  # after this step's updates and the set as admit left it (grown, loaded)
-                self._updated = torch.cuda.current_stream().record_event()
             return land
 
     def preload(self, ids: torch.Tensor) -> None:
         """(prefetch thread, as it announces a step) With ``ahead``: the state of the announced step's rows that
-        are not resident, loaded into free slots while the step before runs, on the side stream. Exact with lazy
-        Adam: that step updates its own rows only, and neither they nor their slots are touched here. With dense
+        are not resident, loaded into free slots while the step before runs (copied on the side stream, put in place
+        on the compute stream among that step's work). Exact with lazy Adam: that step updates its own rows only,
+        and neither they nor their slots are touched here. With dense
         Adam (the host record of ``ids`` current: their decay of the last step done, ``later_decay``) only before
         that step's ``begin_update``: its update then covers them, a zero gradient as on the host. Room is made from
-        rows neither step reads, landed here (lazy: their state is final; dense: the host decays them as rows
-        outside). The state of those that still find no slot is staged (``StagedRows``, as many as it holds) for
-        ``admit`` to put in place (dense: and to decay there, as the host would have before they entered); the rest
-        are left to it."""
+        rows neither step reads, landed here once the loads are issued, since their gather waits for the compute
+        stream's work so far (lazy: their state is final; dense: the host decays them as rows outside). The state of
+        those that still find no slot is staged (``StagedRows``, as many as it holds) for ``admit`` to put in place
+        (dense: and to decay there, as the host would have before they entered); the rest are left to it."""
         if not self.ahead:
             return
         self._landed.wait()  # rows that left at the last admit: on the host before any of them is read again
@@ -241,18 +237,22 @@ class WorkingSet:
             if not entering.numel():
                 return
             free = (self.ids < 0).nonzero().squeeze(1)
-            short = entering.numel() - free.numel()
+            land, short = None, entering.numel() - free.numel()
             if short > 0:
                 keep = torch.cat([self.running, ids])
                 spare = self._spare(keep)
                 leaving = min(short, spare.numel())
                 if leaving:
-                    self._evict(self._leaving(spare, leaving), ahead=True)()
+                    land = self._evict(self._leaving(spare, leaving))
                 free = (self.ids < 0).nonzero().squeeze(1)
-            late, entering = entering[free.numel():], entering[:free.numel()]
-            self._load(entering, free[:entering.numel()], ahead=True)
-            self.stats["rows_entered_ahead"] += entering.numel() * len(self.layers)
-            self.staged.stage(late, self.host)
+            try:  # the freed slots' puts come after their gather on the compute stream
+                late, entering = entering[free.numel():], entering[:free.numel()]
+                self._load(entering, free[:entering.numel()], ahead=True)
+                self.stats["rows_entered_ahead"] += entering.numel() * len(self.layers)
+                self.staged.stage(late, self.host)
+            finally:
+                if land is not None:
+                    land()
 
     def _spare(self, keep: torch.Tensor) -> torch.Tensor:
         """Slots of resident rows not among ``keep``."""
@@ -266,40 +266,28 @@ class WorkingSet:
         key = self.counts[self.ids[spare]] * self.slot_of.numel() + self.ids[spare]
         return torch.sort(spare[torch.topk(key, n, largest=False).indices]).values
 
-    def _side(self, copies) -> contextlib.AbstractContextManager:
-        """Work issued inside runs on ``copies``' side stream, after the last ``admit`` (the slots' last update,
-        and the set's tensors as it left them); GPU only, nothing on CPU. A tensor it uses is made there too."""
-        if copies is None:
-            return contextlib.nullcontext()
-        if self._updated is not None:
-            copies.side.wait_event(self._updated)
-        for arrival in list(self._arriving.values()):  # staged rows still being put in place
-            copies.side.wait_event(arrival)
-        return copies.stream()
+    def _on_compute(self) -> contextlib.AbstractContextManager:
+        """Work issued inside runs on the compute stream, from whichever thread (GPU; nothing on CPU)."""
+        return contextlib.nullcontext() if self.compute is None else torch.cuda.stream(self.compute)
 
     def _load(self, ids: torch.Tensor, slots: torch.Tensor, ahead: bool = False) -> None:
-        """The host state of rows ``ids`` into ``slots``, through pinned staging on the side stream (GPU); the
-        compute stream waits for it now, or (``ahead``) at the next ``admit``."""
+        """The host state of rows ``ids`` into ``slots``: on GPU through pinned staging on the side stream, into
+        tensors of its own, then put in place on the compute stream, a layer while the next layer's copy runs.
+        ``ahead`` (the prefetch thread, while a step runs): this thread waits for each copy before its put, so the
+        compute stream never does."""
         if not ids.numel():
             return
-        local = self.host.local(ids)
-        if ahead:  # put in place on the side stream too, after the last admit, the slots' places copied there
-            with self._side(self.h2d.copies):  # (the compute stream reads none of these slots yet)
-                for layer in self.layers:
-                    with self.h2d.transfer() as send:
-                        rows = {kind: send.gather(self.host.kind(kind)[layer], local) for kind in KINDS}
-                        self._put(layer, send.copy(slots), rows)
-                    self._loaded = send.ready
-        else:
-            at = slots.to(self.device, non_blocking=True)
-            for layer in self.layers:
+        local, last = self.host.local(ids), None
+        for layer in [*self.layers, None]:  # each layer's put once the next layer's copy is issued
+            if last is not None:
+                if ahead and last[-1] is not None:
+                    last[-1].synchronize()
+                self._in_place(*last)
+            if layer is not None:
                 with self.h2d.transfer() as send:
                     rows = {kind: send.gather(self.host.kind(kind)[layer], local) for kind in KINDS}
-                if send.ready is not None:  # copied on the side stream, used and let go on this one
-                    torch.cuda.current_stream().wait_event(send.ready)
-                    for value in rows.values():
-                        value.record_stream(torch.cuda.current_stream())
-                self._put(layer, at, rows)
+                    at = send.copy(slots)
+                last = (layer, at, rows, send.ready)
         self.slot_of[ids] = slots
         self.ids[slots] = ids
         self.stats["rows_entered"] += ids.numel() * len(self.layers)
@@ -307,25 +295,20 @@ class WorkingSet:
     def _enter_staged(self, ids: torch.Tensor, slots: torch.Tensor, rows: dict[int, dict[str, torch.Tensor]],
                       missed: Optional[MissedUpdate]) -> None:
         """Staged rows ``ids`` (``StagedRows.take``'s ``rows``) into ``slots``, then (``missed``) decayed there. On GPU
-        both on the side stream after the compute stream's work so far (the slots' update, the leaving rows' gather),
-        each layer's end recorded for its first reader (``_arrived``): the compute stream goes on meanwhile."""
+        copied on the side stream, each layer's end recorded, and put in place (and decayed) on the compute stream by
+        that layer's first reader (``_arrived``): the compute stream goes on meanwhile."""
         if not ids.numel():
             return
         copies = self.h2d.copies
         if copies is None:
             for layer in self.layers:
-                self._put(layer, slots, rows[layer])
-                if missed is not None:
-                    self.slot_adam.decay(missed.step, missed.lr, self.state[layer], slots)
+                self._in_place(layer, slots, rows[layer], missed=missed)
         else:
-            copies.side.wait_stream(torch.cuda.current_stream())
             with self.h2d.transfer() as send:  # on the side stream; the slots through its staging
                 at = send.copy(slots)
                 for layer in self.layers:
-                    self._put(layer, at, {kind: copies.to_device(value) for kind, value in rows[layer].items()})
-                    if missed is not None:
-                        self.slot_adam.decay(missed.step, missed.lr, self.state[layer], at)
-                    self._arriving[layer] = copies.record()
+                    copied = {kind: copies.to_device(value) for kind, value in rows[layer].items()}
+                    self._arriving[layer] = (at, copied, copies.record(), missed)
             self.staged.copied = send.ready
         self.slot_of[ids] = slots
         self.ids[slots] = ids
@@ -333,22 +316,35 @@ class WorkingSet:
         self.stats["rows_entered_staged"] += ids.numel() * len(self.layers)
 
     def _arrived(self, layer: Optional[int] = None) -> None:
-        """The compute stream waits for the staged rows ``_enter_staged`` put in place: ``layer``'s, or every
-        layer's (GPU; nothing pending on CPU)."""
+        """The staged rows ``_enter_staged`` copied, put in place: ``layer``'s, or every layer's (GPU; nothing pending
+        on CPU)."""
         for key in [layer] if layer is not None else list(self._arriving):
             arrival = self._arriving.pop(key, None)
             if arrival is not None:
-                torch.cuda.current_stream().wait_event(arrival)
+                at, rows, ready, missed = arrival
+                self._in_place(key, at, rows, ready, missed)
 
-    def _put(self, layer: int, at: torch.Tensor, rows: dict[str, torch.Tensor]) -> None:
-        for kind, value in rows.items():
-            self.state[layer][kind].index_copy_(0, at, value)
+    def _in_place(self, layer: int, at: torch.Tensor, rows: dict[str, torch.Tensor], ready=None,
+                  missed: Optional[MissedUpdate] = None) -> None:
+        """``rows`` into ``layer``'s slots ``at`` on the compute stream, then (``missed``) decayed there; ``ready``:
+        the end of their copies on a side stream (GPU), which the compute stream waits for."""
+        with self._on_compute():
+            if ready is not None:  # copied on the side stream, used and let go on this one
+                stream = torch.cuda.current_stream()
+                stream.wait_event(ready)
+                for value in (at, *rows.values()):
+                    value.record_stream(stream)
+            for kind, value in rows.items():
+                self.state[layer][kind].index_copy_(0, at, value)
+            if missed is not None:
+                self.slot_adam.decay(missed.step, missed.lr, self.state[layer], at)
 
-    def _evict(self, slots: torch.Tensor, ahead: bool = False) -> Callable[[], None]:
-        """Free ``slots`` (sorted); their state goes to the host on the side stream (``ahead``: gathered there too,
-        after the slots' last update). Returns its landing, which the caller runs; until it has, ``preload`` waits."""
+    def _evict(self, slots: torch.Tensor) -> Callable[[], None]:
+        """Free ``slots`` (sorted): their state is gathered on the compute stream after the slots' last update (from
+        whichever thread) and goes to the host on the side stream. Returns its landing, which the caller runs; until it
+        has, ``preload`` waits."""
         ids = self.ids[slots]
-        with self._side(self.d2h.copies) if ahead else contextlib.nullcontext():
+        with self._on_compute():
             at = slots.to(self.device, non_blocking=True)
             copies = {(layer, kind): self.d2h.copy(self.state[layer][kind].index_select(0, at), (layer, kind))
                       for layer in self.layers for kind in KINDS}
@@ -369,8 +365,6 @@ class WorkingSet:
     def write_back(self) -> None:
         """Every resident row's state into the host record (the rows stay resident); waits for it."""
         with self._lock:
-            if self._loaded is not None:
-                torch.cuda.current_stream().wait_event(self._loaded)
             self._arrived()
             slots = (self.ids >= 0).nonzero().squeeze(1)
             at, ids = slots.to(self.device), self.ids[slots]
@@ -391,5 +385,6 @@ class WorkingSet:
             self.slot_of.fill_(-1)
             self.ids.fill_(-1)
             self.staged.drop()
+            self._arriving.clear()
             self.running = torch.empty(0, dtype=torch.int64)
             self._preloadable = False

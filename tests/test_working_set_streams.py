@@ -1,0 +1,274 @@
+"""The working set's streams on the CPU as torch's CUDA sanitizer (CSAN, ``TORCH_CUDA_SANITIZER=1``) sees them on a GPU.
+
+CSAN keys an access by the tensor, not by the bytes a kernel touches, so a design where one stream writes some rows of
+a tensor while another stream reads or writes other rows of it is a "possible data race" to it, however disjoint the
+rows (issue 51, item 3). The working set is built so that none arises: its slots' tensors are touched by the compute
+stream alone, and the side streams write only tensors of their own, which the compute stream reads after an event.
+
+Here the store's working set is made on ``device="cuda"`` (the CPU redirection every CPU worker runs, ``cpu_compat``,
+puts its tensors on the CPU), so it takes its GPU branches; its copy engines and the streams are stand-in lanes
+(``Lanes``), and every op's reads and writes of device tensors go, with the lanes' events, waits and host syncs, to
+CSAN's own bookkeeping (``torch.cuda._sanitizer.EventHandler``: ``Audit``). A tensor is on the device if it is a slot
+tensor, a copy to the device, or made by an op from such a tensor; accesses are keyed by storage, stricter than CSAN's
+key (a view's first element). So a report here is one CSAN would make on a GPU for the same order of issue.
+"""
+
+import contextlib
+import importlib.util
+import itertools
+import sys
+import threading
+from pathlib import Path
+
+import distributed
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+ROOT = Path(__file__).resolve().parents[1]
+V, COLS, TOKENS, SLOTS, STEPS = 1024, 16, 96, 128, 6  # ~90 distinct ids a step, two steps' ~170 > 128 slots
+
+
+class Lanes:
+    """Stand-in CUDA streams (``compute`` and a side lane per copy engine) whose events, waits and host syncs feed
+    CSAN's bookkeeping, with the device storages ``Audit`` reports accesses to and the reports it got back."""
+
+    def __init__(self):
+        from torch.cuda._sanitizer import EventHandler
+
+        self.csan, self.lock, self.reports, self.busy = EventHandler(), threading.RLock(), [], set()
+        self.device, self.alive = set(), []  # device storages, and their tensors: no address is reused
+        self._ids, self._local = itertools.count(1), threading.local()
+        self.compute = Lane(self, 0)  # CSAN's default stream
+
+    def lane(self) -> "Lane":
+        with self.lock:
+            lane = Lane(self, next(self._ids))
+            self.csan._handle_stream_creation(lane.id)
+        return lane
+
+    def current(self, *_device) -> "Lane":
+        """``torch.cuda.current_stream``: a thread issues on the compute lane unless inside ``on``."""
+        return getattr(self._local, "lane", self.compute)
+
+    @contextlib.contextmanager
+    def on(self, lane: "Lane"):
+        """``torch.cuda.stream``."""
+        before, self._local.lane = self.current(), lane
+        try:
+            yield
+        finally:
+            self._local.lane = before
+
+    def mark(self, tensor: torch.Tensor) -> None:
+        with self.lock:
+            self.device.add(tensor.untyped_storage().data_ptr())
+            self.alive.append(tensor)
+
+    def enter_thread(self) -> None:
+        """A host thread's first call (``node.enter_sanitizer``): the CPU redirection and the audit, as CSAN's."""
+        from stem_megatron import cpu_compat
+
+        cpu_compat._CudaToCpu().__enter__()
+        Audit(self).__enter__()
+
+    def install(self) -> None:
+        from stem_megatron.host_tables import node, pinned, transfer
+
+        torch.cuda.current_stream, torch.cuda.stream = self.current, self.on
+        torch.cuda.set_device = lambda device: None
+        torch.Tensor.record_stream = lambda tensor, stream: None  # memory reuse: not what CSAN checks
+        transfer.CudaCopies = pinned.CudaCopies = lambda device: LaneCopies(self)
+        node.enter_sanitizer = self.enter_thread
+
+
+class Lane:
+    def __init__(self, lanes: Lanes, id: int):
+        self.lanes, self.id = lanes, id
+
+    def record_event(self) -> "LaneEvent":
+        event = LaneEvent(self.lanes)
+        event.record(self)
+        return event
+
+    def wait_event(self, event: "LaneEvent") -> None:
+        with self.lanes.lock:
+            self.lanes.csan._handle_event_wait(event.id, self.id)
+
+    def wait_stream(self, other: "Lane") -> None:
+        self.wait_event(other.record_event())
+
+
+class LaneEvent:
+    _ids = itertools.count(1)
+
+    def __init__(self, lanes: Lanes):
+        self.lanes, self.id = lanes, next(self._ids)
+        with lanes.lock:
+            lanes.csan._handle_event_creation(self.id)
+
+    def record(self, lane: Lane) -> None:
+        with self.lanes.lock:
+            self.lanes.csan._handle_event_record(self.id, lane.id)
+
+    def synchronize(self) -> None:  # the host waits: every lane is ordered after the event (as CSAN has it)
+        with self.lanes.lock:
+            self.lanes.csan._handle_event_synchronization(self.id)
+
+
+class LaneCopies:
+    """``pinned.CudaCopies`` on a side lane of its own: plain memory for pinned, copies made at once."""
+
+    def __init__(self, lanes: Lanes):
+        self.lanes, self.side = lanes, lanes.lane()
+
+    @staticmethod
+    def pinned(nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    def stream(self):
+        return self.lanes.on(self.side)
+
+    def to_device(self, host: torch.Tensor) -> torch.Tensor:
+        out = torch.empty_like(host)
+        self.lanes.mark(out)
+        return out.copy_(host)  # written on the lane current here
+
+    def record(self) -> LaneEvent:
+        return self.side.record_event()
+
+
+def _storages(value):
+    return {t.untyped_storage().data_ptr() for t in tree_leaves(value)
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr()}
+
+
+class Audit(TorchDispatchMode):
+    """Each op's reads and writes of device storages, on the lane it was issued on, checked by CSAN's bookkeeping.
+    As CSAN: a view reads nothing, ``*_like``/``new_*`` read only metadata, outputs are written."""
+
+    def __init__(self, lanes: Lanes):
+        super().__init__()
+        self.lanes = lanes
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from torch.cuda._sanitizer import FACTORY_FUNCTION_REGEX, zip_arguments
+
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        factory = FACTORY_FUNCTION_REGEX.match(func._schema.name)
+        reads, writes, inputs = set(), set(), set()
+        for argument, value in zip_arguments(func._schema, args, kwargs):
+            storages, alias = _storages(value), argument.alias_info
+            inputs |= storages
+            if alias is not None and alias.is_write:
+                writes |= storages
+            elif alias is None and not factory:
+                reads |= storages
+        returned = func._schema.returns[0].alias_info if func._schema.returns else None
+        made = set() if returned is not None and not returned.is_write else _storages(out)
+        lanes = self.lanes
+        with lanes.lock:
+            if inputs & lanes.device:  # made from device tensors: on the device
+                for t in (t for t in tree_leaves(out) if isinstance(t, torch.Tensor)):
+                    if t.untyped_storage().data_ptr() not in inputs:
+                        lanes.mark(t)
+            written = (writes | made) & lanes.device
+            read = (reads & lanes.device) - written
+            if read or written:
+                lanes.busy.add(lanes.current().id)
+                lanes.reports += lanes.csan._handle_kernel_launch(
+                    lanes.current().id, read, written, made & lanes.device, func._schema,
+                    {ptr: [] for ptr in read | written})
+        return out
+
+
+def _harness():
+    spec = importlib.util.spec_from_file_location("row_sync", ROOT / "benchmarks" / "row_sync.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["row_sync"] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module.backward_one_step
+
+
+def _on_lanes(store, lanes: Lanes):
+    """``store``'s working set made anew on the stand-in device (``cuda``, which the CPU redirection maps to the CPU):
+    its GPU branches, its copies on lanes, torch's fused AdamW."""
+    from stem_megatron.host_tables.host_rows import HostRows
+    from stem_megatron.host_tables.working_set import WorkingSet
+
+    cpu = store.resident
+    host = HostRows(store.master, store.exp_avg, store.exp_avg_sq, store.weight, store.own.local, store.own.position)
+    moving = min(SLOTS, TOKENS)  # as the store reserves for (DP = 1: a step reads at most its tokens' ids)
+    store.resident = WorkingSet(store.layers, SLOTS, V, COLS, torch.device("cuda"), cpu.travel, host, store.adam,
+                                ahead=True, dense=cpu.dense, moving_rows=moving, tokens=TOKENS)
+    for state in store.resident.state.values():
+        for tensor in state.values():
+            lanes.mark(tensor)
+
+
+def _working_set_steps(optimizer: str, on_lanes: bool) -> dict:
+    """tests/test_gpu.py's working-set script: ``STEPS`` steps of ``backward_one_step`` on a set of ``SLOTS`` rows a
+    layer, the next step's rows preloaded by a thread of its own (the prefetch thread's part) while a step runs.
+    ``on_lanes``: on the stand-in device, every access audited; else on the CPU. Both run torch's fused AdamW (the
+    GPU's kernel). Returns the CSAN reports, the lanes that touched device tensors, the rows moved and the tables and
+    moments after."""
+    from stem_megatron.host_tables.node import enter_host_thread
+    from stem_megatron.host_tables.store import HostTableStore
+
+    backward_one_step = _harness()
+    store = HostTableStore([1, 2], V, COLS, init_std=0.02, seed=0, resident_rows=SLOTS, optimizer=optimizer,
+                           micro_batch_tokens=TOKENS, micro_batches=1, compute_dtype=torch.bfloat16)
+    store.resident.slot_adam.kernel = "fused"
+    lanes = Lanes() if on_lanes else None
+    if lanes is not None:
+        lanes.install()
+        Audit(lanes).__enter__()
+        _on_lanes(store, lanes)
+    draw = lambda step: torch.randint(0, V, (1, TOKENS), generator=torch.Generator().manual_seed(step))  # noqa: E731
+
+    def preload(step):
+        enter_host_thread(1, store.resident.device)
+        store.preload(torch.unique(draw(step)))
+
+    moved = {"stem_rows_entered_ahead": 0, "stem_rows_entered_staged": 0, "stem_rows_left": 0}
+    ahead = threading.Thread(target=preload, args=(1,))
+    ahead.start()
+    ahead.join()
+    store.admit(torch.unique(draw(1)))
+    for step in range(1, STEPS + 1):
+        ahead = threading.Thread(target=preload, args=(step + 1,))  # as the prefetch thread announces the next step
+        ahead.start()
+        backward_one_step(store, draw(step))
+        ahead.join()
+        store.step(1e-2, torch.unique(draw(step + 1)))
+        stats = store.take_stats()
+        for key in moved:
+            moved[key] += stats[key]
+    store.settle()
+    tables = {(layer, kind): (store.table(layer) if kind == "master" else getattr(store, kind)[layer]).float().clone()
+              for layer in store.layers for kind in ("master", "exp_avg", "exp_avg_sq")}
+    audited = {"reports": [str(r) for r in lanes.reports], "lanes": len(lanes.busy)} if lanes is not None else {}
+    return {**audited, "moved": moved, "tables": tables}
+
+
+def _both(optimizer: str) -> tuple[dict, dict]:
+    plain = _working_set_steps(optimizer, on_lanes=False)  # first: the stand-ins stay installed in this process
+    return _working_set_steps(optimizer, on_lanes=True), plain
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("optimizer", ["lazy", "dense"])
+def test_no_tensor_of_the_working_set_is_shared_by_two_streams_without_an_event(optimizer):
+    """Rows enter ahead (loaded while the step before runs), enter staged and leave every step; CSAN's bookkeeping
+    finds no access to a device tensor on one lane after another lane's conflicting access without an event between
+    (before issue 51: the preload wrote the slots' tensors on the side stream while the compute stream read them).
+    The GPU branches end with the CPU branches' tables and moments, bitwise."""
+    audited, plain = distributed.run(_both, 1, optimizer)[0]
+    assert all(audited["moved"].values()), audited["moved"]
+    assert audited["lanes"] == 3, audited["lanes"]  # the compute stream's and both copy engines' work was seen
+    reports = audited["reports"]
+    assert not reports, f"{len(reports)} CSAN reports; the first:\n{reports[0]}"
+    for key, value in plain["tables"].items():
+        assert torch.equal(audited["tables"][key], value), key
