@@ -23,6 +23,15 @@ a rank's peak RSS is shown against its own parts plus every shared file of its n
 
 N defaults to the recipe's tp*pp (DP=1). On a machine without a GPU the plan is the CPU one (fp32); on a GPU without
 Transformer Engine, the plan of SDPAttention's kernels.
+
+    .venv/bin/python benchmarks/memory_plan.py --activations [OVERRIDE ...]
+
+instead checks the plan's activations (``flops/activations.py``) against one micro-batch's real forward and backward
+in this process (TP = PP = 1, after a warm-up micro-batch of one sequence; host STEM rows from a stand-in that hands
+the layer an fp32 leaf of its micro-batch's rows, as the store does): the tensors autograd keeps (a saved-tensor hook,
+each storage once, parameters and the rows' leaf aside), the peak of torch's allocations above those before the
+micro-batch (CPU: the profiler's memory events; GPU: ``torch.cuda.max_memory_allocated``, and the allocator's
+reserve), and on CPU the rise of the process's RSS high-water mark (a fresh process: its heap is new).
 """
 
 from __future__ import annotations
@@ -44,6 +53,11 @@ require_environment()  # before torch and megatron: another Python gets `make se
 
 import torch  # noqa: E402
 
+from megatron.core.transformer.enums import AttnMaskType  # noqa: E402
+from megatron.core.transformer.module import MegatronModule  # noqa: E402
+from megatron.core.transformer.spec_utils import ModuleSpec  # noqa: E402
+
+from stem_megatron.flops.activations import activation_bytes, kept_bytes, transient_bytes  # noqa: E402
 from stem_megatron.flops.memory import GIB, LIBRARY_BYTES, Layout, plan, print_plan  # noqa: E402
 from stem_megatron.parallel import have_transformer_engine  # noqa: E402
 from stem_megatron.recipes import compose_run  # noqa: E402
@@ -132,13 +146,143 @@ def measure(overrides: list[str], nproc: int, shm_dir: str) -> dict:
             "rss_max": max(r["VmHWM"] for r in ranks.values()), "ranks": len(ranks)}
 
 
+class StandInRows(MegatronModule):
+    """A host STEM layer's row source without a store: each micro-batch's distinct ids' rows as a new fp32 leaf
+    (``[u, d_ff]``, random) with each token's position among them, as ``HostRowSource`` hands them over."""
+
+    leaves: list = []  # the rows handed out: the plan counts them as the step's rows, not as activations
+
+    def __init__(self, config, vocab_size: int):
+        super().__init__(config=config)
+        del vocab_size  # the rows are drawn, not looked up
+        self.cols = config.ffn_hidden_size
+
+    def set_layer_number(self, layer_number: int) -> None:
+        del layer_number
+
+    def compact(self, tokens):
+        uniq, inverse = torch.unique(tokens.ids, return_inverse=True)
+        rows = torch.randn(len(uniq), self.cols, device=tokens.ids.device).requires_grad_()
+        self.leaves.append(rows)
+        return rows, inverse.t(), None
+
+    def forward(self, tokens):
+        rows, index, _ = self.compact(tokens)
+        return torch.nn.functional.embedding(index, rows).to(self.config.params_dtype)
+
+
+def measure_activations(cfg) -> dict:
+    """One micro-batch's forward and backward of ``cfg``'s model on this process's device (megatron initialised,
+    TP = PP = 1): bytes kept for backward, the peak of torch's allocations above those before it, on GPU the
+    allocator's reserve and on CPU the RSS high-water mark's rise; the micro-batch's distinct ids and the bytes of
+    its rows' leaves (in those peaks, in the plan's step rows)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from stem_megatron.model.gpt import build_gpt, transformer_config
+    from stem_megatron.model.token_context import token_ids
+
+    gpu, m, s = torch.cuda.is_available(), cfg.model, cfg.stem
+    mask = cfg.data.reset_attention_mask
+    host = s.placement == "host" and s.variant not in ("dense", "hash_moe")
+    config = transformer_config(m, cfg.parallel, on_gpu=gpu, stem=s)
+    model = build_gpt(m, s, config, row_source=ModuleSpec(module=StandInRows) if host else None,
+                      use_te=gpu and have_transformer_engine(),
+                      attn_mask_type=AttnMaskType.arbitrary if mask else AttnMaskType.causal)
+    for p in model.parameters():  # the gradient buffer exists before: backward's new gradients are added into it
+        p.grad = torch.zeros_like(p)
+    device = torch.device("cuda" if gpu else "cpu")
+    out: dict = {}
+
+    def micro_batch(batch: int) -> None:
+        StandInRows.leaves.clear()
+        kept: dict[int, int] = {}
+        aside = {p.untyped_storage().data_ptr() for p in model.parameters()}
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            if t.untyped_storage().data_ptr() not in aside | {r.untyped_storage().data_ptr() for r in
+                                                             StandInRows.leaves}:
+                kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        tokens = torch.randint(0, m.vocab_size, (batch, m.seq_length), device=device)
+        position = torch.arange(m.seq_length, device=device).expand_as(tokens)
+        causal = torch.ones(m.seq_length, m.seq_length, dtype=torch.bool, device=device).triu(1)
+        attention_mask = causal.repeat(batch, 1, 1, 1) if mask else None  # as the batches carry it
+        if mask:  # the batch holds it until its backward
+            kept[attention_mask.untyped_storage().data_ptr()] = attention_mask.untyped_storage().nbytes()
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), token_ids(tokens, m.vocab_size):
+            loss = model(tokens, position, attention_mask, labels=tokens)
+        out.update(kept=sum(kept.values()), distinct_ids=len(torch.unique(tokens)),
+                   rows=sum(r.untyped_storage().nbytes() for r in StandInRows.leaves))
+        loss.float().sum().backward()
+
+    status = f"/proc/{os.getpid()}/status"
+    if not gpu:
+        Path("/proc/self/clear_refs").write_text("5")  # the RSS high-water mark starts again here
+        rss = _kib(status, "VmRSS")["VmRSS"]
+    micro_batch(1)  # warm-up: lazy initialisation, the allocator's first blocks
+    batch = cfg.train.micro_batch_size
+    if gpu:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        allocated, reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
+        micro_batch(batch)
+        torch.cuda.synchronize()
+        out.update(peak=torch.cuda.max_memory_allocated() - allocated,
+                   reserved=torch.cuda.max_memory_reserved() - reserved)
+        return out
+    micro_batch(batch)  # the first at full size: the heap grows as a run's first micro-batches grow it
+    out["rss"] = _kib(status, "VmHWM")["VmHWM"] - rss
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        micro_batch(batch)  # the same allocations again, each one recorded
+    live = out["peak"] = 0
+    for _, nbytes in sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
+                            if e.name() == "[memory]"):
+        live += nbytes
+        out["peak"] = max(out["peak"], live)
+    return out
+
+
+def activations(overrides: list[str]) -> None:
+    """``--activations``: the plan's activations of ``overrides`` at TP = PP = 1 against a measured micro-batch."""
+    from stem_megatron import parallel
+
+    cfg = compose_run(overrides)
+    cfg.parallel.tensor_model_parallel_size = cfg.parallel.pipeline_model_parallel_size = 1
+    gpu = torch.cuda.is_available()
+    parallel.single_process_env()
+    parallel.initialize(1, 1, cfg.train.seed)
+    try:
+        measured = measure_activations(cfg)
+    finally:
+        parallel.destroy()
+    layout = Layout(1, 1, device="gpu" if gpu else "cpu", transformer_engine=have_transformer_engine())
+    kept = kept_bytes(cfg, layout, 0, measured["distinct_ids"])
+    leaves = measured["rows"]  # the plan's step rows, not activations
+    rows = [("kept for backward", kept, measured["kept"]),
+            ("peak of the allocations", kept + transient_bytes(cfg, layout, 0), measured["peak"] - leaves),
+            ("RSS high-water rise" if not gpu else "allocator's reserve (peak)",
+             activation_bytes(cfg, layout, 0, 1, measured["distinct_ids"]),
+             measured["rss" if not gpu else "reserved"] - leaves)]
+    print(f"activations of one micro-batch ({cfg.train.micro_batch_size} x {cfg.model.seq_length} tokens, "
+          f"{measured['distinct_ids']:,} distinct ids), {'GPU' if gpu else 'CPU'}, TP = PP = 1: "
+          + " ".join(overrides))
+    print(f"  {'':<30}{'plan':>12}{'measured':>12}{'ratio':>8}")
+    for label, p, m in rows:
+        print(f"  {label:<30}{p / 2**20:>8.1f} MiB{m / 2**20:>8.1f} MiB{m / p:>8.3f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--nproc", type=int, default=None, help="ranks (default: the recipe's tp*pp)")
     parser.add_argument("--distinct-ids", type=int, default=None, help="as stem-flops --distinct-ids")
     parser.add_argument("--json", default=None, help="write plan, measurement and ratios here")
+    parser.add_argument("--activations", action="store_true",
+                        help="check the plan's activations against one micro-batch in this process instead")
     parser.add_argument("overrides", nargs="*", help="stem-train overrides (recipes), e.g. model.vocab_size=65536")
     args = parser.parse_args()
+    if args.activations:
+        return activations(args.overrides)
     cfg = compose_run(args.overrides)
     tp, pp = cfg.parallel.tensor_model_parallel_size, cfg.parallel.pipeline_model_parallel_size
     nproc = args.nproc or tp * pp

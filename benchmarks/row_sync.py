@@ -40,6 +40,8 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from torch.distributed.elastic.utils.distributed import get_free_port  # noqa: E402
 
+from stem_megatron.flops.distinct import expected_distinct  # noqa: E402
+
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_COUNTS = REPO / "benchmarks" / "data" / "token_counts_128k.npy"  # a 128k BPE's per-id counts: its README
 GB = 1e9
@@ -81,11 +83,6 @@ def packed_distinct(tokens: float, vocab: int) -> float:
 def _zipf(vocab: int) -> np.ndarray:
     p = np.arange(1, vocab + 1, dtype=np.float64) ** -ZIPF_EXPONENT
     return p / p.sum()
-
-
-def expected_distinct(p: np.ndarray, tokens: float) -> float:
-    """E[distinct ids] when ``tokens`` ids are drawn independently with probabilities ``p``."""
-    return float(-np.expm1(tokens * np.log1p(-p)).sum())
 
 
 def zipf_distinct(tokens: float, vocab: int) -> float:

@@ -39,10 +39,10 @@ from megatron.core.process_groups_config import ProcessGroupCollection  # noqa: 
 from megatron.core.transformer.module import MegatronModule  # noqa: E402
 from megatron.core.transformer.spec_utils import build_module  # noqa: E402
 
-from benchmarks.gpu_step import expected_distinct_ids, profile_ids  # noqa: E402
 from benchmarks.row_sync import DEFAULT_COUNTS, load_counts  # noqa: E402
 from stem_megatron import parallel  # noqa: E402
 from stem_megatron.config import ModelConfig, ParallelConfig  # noqa: E402
+from stem_megatron.flops.distinct import expected_distinct_ids, profile_ids  # noqa: E402
 from stem_megatron.model.gpt import transformer_config  # noqa: E402
 from stem_megatron.model.specs import stem_mlp_spec  # noqa: E402
 from stem_megatron.model.stem_rows import RowOrder  # noqa: E402

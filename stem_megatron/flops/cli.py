@@ -72,17 +72,20 @@ def build_parser() -> argparse.ArgumentParser:
                         help="also compare the node that needs most with this machine's shared-memory directory "
                              "and MemAvailable (run it on a node of the cluster)")
     memory.add_argument("--distinct-ids", type=int, default=None,
-                        help="distinct token ids per micro-batch (default: the bound min(V, b*s); a run's "
-                             "stem_unique_tokens / micro-batches per step gives the real figure)")
+                        help="distinct token ids per micro-batch (default: those the 128k token profile expects of "
+                             "b*s tokens, benchmarks/data; a run's stem_unique_tokens / micro-batches per step gives "
+                             "its own); the totals at the bound min(V, b*s) are printed beside")
     memory.add_argument("--step-distinct-ids", type=int, default=None,
-                        help="distinct token ids per step of one DP rank, its micro-batches' together (default: their "
-                             "bound, micro-batches x --distinct-ids; ids repeat across micro-batches: 6.5k of 32,768 "
-                             "tokens of the 128k profile)")
+                        help="distinct token ids per step of one DP rank, its micro-batches' together (default: the "
+                             "profile's when --distinct-ids is not given, else their bound, micro-batches x "
+                             "--distinct-ids; ids repeat across micro-batches: 6.5k of 32,768 tokens of the profile)")
     return parser
 
 
 def _memory(args) -> dict:
-    """Compose the run as stem-train would, lay it out, print and return the plan."""
+    """Compose the run as stem-train would, lay it out, print and return the plan: at the distinct ids given, else
+    at those the 128k token profile expects of its batches, with its totals at the ids' bound beside."""
+    from stem_megatron.flops.distinct import run_distinct_ids
     from stem_megatron.flops.memory import WITHIN_DENSE, Layout, host_stem_layers, plan, print_plan, working_set_within
     from stem_megatron.host_tables.node import free_space
     from stem_megatron.recipes import compose_run
@@ -96,24 +99,31 @@ def _memory(args) -> dict:
     par.pipeline_model_parallel_size = args.pp or par.pipeline_model_parallel_size
     layout = Layout(args.nodes, args.gpus_per_node, par.tensor_model_parallel_size,
                     par.pipeline_model_parallel_size, args.device)
-    result = plan(cfg, layout, args.distinct_ids, args.step_distinct_ids)
-    result["overrides"] = list(args.models)
+    bound = plan(cfg, layout)  # checks the layout first
+    if args.distinct_ids or args.step_distinct_ids:
+        ids, source = (args.distinct_ids, args.step_distinct_ids, None), "as given"
+    else:
+        ids, source = run_distinct_ids(cfg, layout.dp), "expected of the 128k token profile"
+    result = plan(cfg, layout, *ids)
+    result["overrides"], result["distinct_from"] = list(args.models), source
+    result["bound"] = {"distinct_ids": bound["distinct_ids"], "step_distinct_ids": bound["step_distinct_ids"],
+                       "device_totals": [s["device_total"] for s in bound["stages"]],
+                       "node_totals": [n["total"] for n in bound["nodes"]]}
     if layout.device == "gpu" and any(host_stem_layers(cfg, layout.pp, p) for p in range(layout.pp)):
         result["working_set_within"] = {"ratio": WITHIN_DENSE, "rows": working_set_within(
-            cfg, layout, WITHIN_DENSE, args.distinct_ids, args.step_distinct_ids)}
+            cfg, layout, WITHIN_DENSE, *ids[:2])}
     if args.json != "-":
         machine = None
         if args.here:
             if not os.path.isdir(cfg.stem.shm_dir):
                 raise FlopsError(f"--here: this machine has no {cfg.stem.shm_dir} (stem.shm_dir) to hold the tables")
-            machine = (cfg.stem.shm_dir, *free_space(cfg.stem.shm_dir))
+            machine = (cfg.stem.shm_dir, *free_space(cfg.stem.shm_dir, cfg.stem.host_memory_gib))
         print_plan(result, " ".join(args.models) or "the demo (recipes/train.yaml)", machine)
         rows = result.get("working_set_within", {}).get("rows")
         if rows is not None:
             goal = f"within dense's + {WITHIN_DENSE - 1:.0%} on this layout (the GPU step's memory goal)"
             print(f"a working set {goal}: stem.resident_rows <= {rows:,} (a set too small for a step's rows grows)"
-                  if rows else f"no working set fits {goal} at these distinct ids (their bounds, unless --distinct-ids "
-                  f"and --step-distinct-ids give a run's)")
+                  if rows else f"no working set fits {goal} at these distinct ids")
     return result
 
 

@@ -7,24 +7,25 @@ the rows the node owns (2 x ``[tp, owned, d_ff/tp]``, owned = the node's range o
 the N nodes its DP group spans), with bf16 copies also their fp32 master rows (``[tp, owned, d_ff/tp]``):
 exactly the files ``node.shared_tensors`` creates. Per rank: the process (python, torch, megatron, DeepSpeed's
 op, gloo, datasets; measured), the row gradients CPU Adam reads, and on GPU the pinned memory the store reserves
-before step 1 (``host_tables/pinned.py``, the same functions): the staging slots fetched rows pass through (two
-fetches' rows, in bf16, and their indices) and one landing buffer per layer for the row gradients the rank updates,
-both at the ids' bound; with a working set (``stem.resident_rows``) no gradient lands, and its entering and leaving
-rows' staging and landing are reserved instead (``working_set_bytes``, at the set's size or the ids' bound), and
-its rows staged ahead (``staged_bytes``). The dense model has no host copy.
+before step 1 (``host_tables/pinned.py``, the same functions), block by block as torch pins it (each rounded up to
+a power of two, ``pinned_block_bytes``): the staging slots fetched rows pass through (two fetches' rows, in bf16,
+and their indices) and one landing buffer per layer for the row gradients the rank updates, both at the ids'
+bound; with a working set (``stem.resident_rows``) no gradient lands, and its entering and leaving rows' staging
+and landing are reserved instead (``working_set_bytes``, at the set's size or the ids' bound), and its rows staged
+ahead (``staged_bytes``). The dense model has no host copy.
 
 Device, per GPU (per rank on CPU, where it is host memory too): dense parameters (bf16 on GPU, fp32 on CPU),
 their fp32 gradient buffer (``grad_reduce_in_fp32``), megatron's Adam state (fp32 main parameters on GPU and 2
 moments; sharded over DP with the distributed optimizer), the hot-row cache, the compact rows of the
-micro-batches in flight and the step's merged row gradients (``step_pipeline.RowGradients``), and
-activations: an estimate of what autograd keeps for backward (no recomputation; the attention kernel's part
-by the kernel the run takes, ``attention_kept``) for the micro-batches 1F1B keeps in flight. On CPU with DP > 1 and the
-distributed optimizer, gloo's flat staging copy of the DDP buffer its reduce-scatter and all-gather make.
+micro-batches in flight and the step's merged row gradients (``step_pipeline.RowGradients``), and the
+activations of the micro-batches 1F1B keeps in flight at their peak (``activations.py``). On CPU with DP > 1 and
+the distributed optimizer, gloo's flat staging copy of the DDP buffer its reduce-scatter and all-gather make.
 
-Distinct ids per micro-batch default to their bound, min(V, b*s); a run's metrics give the real figure
-(``stem_unique_tokens`` / micro-batches per step) for ``--distinct-ids``. A step's distinct ids (its merged row
-gradients) default to their bound, the micro-batches' summed; the ids of its micro-batches overlap (6.5k of 32,768
-tokens drawn from the 128k profile, where 8 micro-batches of 1B's 1,777 bound it at 14.2k): ``--step-distinct-ids``.
+Distinct ids: a micro-batch's (``distinct_ids``), a DP rank's step's (``step_distinct_ids``: its micro-batches'
+merged row gradients) and the DP group's step's (``group_distinct_ids``: the rows whose gradients land on the
+host) default to their bounds, min(V, b*s), the micro-batches' summed and the group's ranks' summed;
+``stem-flops --memory`` passes the 128k token profile's (``distinct.run_distinct_ids``) and prints the bound
+beside. Pinned memory is reserved at the bound whatever they are: nothing is pinned mid-step.
 
 ``working_set_within`` inverts the plan for the GPU step's memory goal (issue 31): the most rows a layer a working
 set can hold while a GPU's plan stays within a ratio of the dense model's plan on the same layout.
@@ -33,31 +34,27 @@ set can hold while a GPU's plan stays within a ratio of the dense model's plan o
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, replace
 from typing import Optional
 
 from stem_megatron.config import ConfigError, RunConfig, validate_layout
+from stem_megatron.flops.activations import FP32, activation_bytes, attention_kept
 from stem_megatron.flops.arch import FlopsError
+from stem_megatron.flops.layout import Layout, stage_layers
 from stem_megatron.flops.variants import FFN_MATMULS
 from stem_megatron.host_tables.ownership import RowOwnership
-from stem_megatron.host_tables.pinned import (STAGING_SLOTS, cache_staging_bytes, landing_rows, staged_bytes,
-                                              staged_rows, staging_bytes, working_set_bytes)
+from stem_megatron.host_tables.pinned import (STAGING_SLOTS, cache_staging_bytes, landing_rows,
+                                              pinned_block_bytes, staged_bytes, staged_rows, staging_bytes,
+                                              working_set_bytes)
 from stem_megatron.layer_plan import planned_layers
 
-FP32, GIB = 4, 2**30
+GIB = 2**30
 # a rank's peak RSS minus its model, optimizer and activations: python, torch, megatron, DeepSpeed's CPU Adam op,
 # gloo, datasets; anonymous memory per rank and the libraries' file pages once per node (two dense models, one
 # CPU process, micro-batch 1; docs/memory.md). A CUDA process adds its context and libraries, not counted here.
 PROCESS_BYTES, LIBRARY_BYTES = 355 * 2**20, 95 * 2**20
-# activations kept per token and layer, counted on CPU by a saved-tensor hook (docs/memory.md): 6 of hidden size
-# around the two norms, and of the FFN's d_ff/tp by variant (STEM: W_g x, SiLU, rows, product)
-NORM_TERMS = 6
-FFN_TERMS = {"dense": 5, "stem": 4, "stem_gate": 4, "stem_dagger": 4, "hash_moe": 5}
 # a working set's device plan at most this times the dense model's: the GPU step's memory goal (issue 31)
 WITHIN_DENSE = 1.10
-# the peak RSS a micro-batch's activations add over the tensors kept for backward (backward's gradients and the
-# allocator's slack): 1.30 and 1.52 on two small shapes on CPU (docs/memory.md); unmeasured on GPU
-ACTIVATION_PEAK = 1.4
 DEVICE_PARTS = {
     "parameters": "parameters", "gradients": "gradients (fp32)", "optimizer": "Adam state",
     "hot_row_cache": "hot-row cache", "working_set": "working set (rows + Adam state)",
@@ -68,26 +65,6 @@ NODE_PARTS = {
     "moments": "Adam moments (owned rows)", "process": "processes",
     "adam_gradients": "row gradients for CPU Adam", "pinned_rows": "pinned row staging",
     "device_parts": "ranks' device parts (CPU)"}
-
-
-@dataclass(frozen=True)
-class Layout:
-    """Where the ranks run: ``nodes`` x ``gpus_per_node`` ranks in megatron's order (TP fastest, then DP, PP)."""
-
-    nodes: int = 1
-    gpus_per_node: int = 8
-    tp: int = 1
-    pp: int = 1
-    device: str = "gpu"  # gpu: bf16 weights | cpu: fp32, SDPAttention (torch's SDPA)
-    transformer_engine: bool = True  # on GPU: TE's attention; False: SDPAttention, as on CPU (no TE installed)
-
-    @property
-    def world(self) -> int:
-        return self.nodes * self.gpus_per_node
-
-    @property
-    def dp(self) -> int:
-        return self.world // (self.tp * self.pp)
 
 
 def check_layout(cfg: RunConfig, layout: Layout) -> None:
@@ -111,16 +88,11 @@ def check_layout(cfg: RunConfig, layout: Layout) -> None:
         raise FlopsError(str(e)) from None
 
 
-def _stage_layers(cfg: RunConfig, pp: int, stage: int) -> range:
-    per = cfg.model.num_layers // pp
-    return range(stage * per, (stage + 1) * per)
-
-
 def host_stem_layers(cfg: RunConfig, pp: int, stage: int) -> list[int]:
     """0-based STEM layers of ``stage`` whose ``U_l`` lives in host memory."""
     if cfg.stem.placement != "host" or cfg.stem.variant in ("dense", "hash_moe"):
         return []
-    return [i for i in planned_layers(cfg.model.num_layers, cfg.stem) if i in _stage_layers(cfg, pp, stage)]
+    return [i for i in planned_layers(cfg.model.num_layers, cfg.stem) if i in stage_layers(cfg, pp, stage)]
 
 
 def rank_parameters(cfg: RunConfig, layout: Layout, stage: int) -> tuple[int, int]:
@@ -130,7 +102,7 @@ def rank_parameters(cfg: RunConfig, layout: Layout, stage: int) -> tuple[int, in
     kv = (m.num_query_groups or m.num_attention_heads) * (d // m.num_attention_heads)
     replaced = set(planned_layers(m.num_layers, s))
     total = experts = 0
-    for i in _stage_layers(cfg, layout.pp, stage):
+    for i in stage_layers(cfg, layout.pp, stage):
         total += (d * (d + 2 * kv) + d * d) // tp + 2 * d  # QKV, projection, two RMSNorms
         if i not in replaced:
             total += 3 * d * f // tp
@@ -144,69 +116,6 @@ def rank_parameters(cfg: RunConfig, layout: Layout, stage: int) -> tuple[int, in
     if stage == layout.pp - 1:
         total += V * d // tp + d  # output layer, final norm
     return total, experts
-
-
-def attention_kept(cfg: RunConfig, layout: Layout) -> tuple[str, float]:
-    """(the attention kernel every layer of the run takes, and why; the bytes it and its module keep for backward
-    per token and layer on one rank).
-
-    All paths keep q and k after RoPE and v: with K/V grouped (or MHA) v is a view of the fused QKV output, which
-    stays whole (d + 2kv, then d + kv for q and k); repeated to every head (``SDPAttention`` outside the CUDA flash
-    kernel, ``_kernel_takes_grouped_kv``; TE's unfused attention) they are 3 new tensors of d and the QKV output is
-    freed. Then the output: the context ``linear_proj`` keeps is the kernel's own output where the kernel writes it
-    sequence-first (TE; SDPA's CPU flash kernel allocates it like q, measured, and so, assumed, does CUDA flash: the
-    module's reshape is then a view), a copy besides it where it is batch-first (the CUDA memory-efficient). Then
-    either a logsumexp per query and head (fp32) or the s x s probabilities of every head. Attention dropout is
-    fixed at 0 (``model/gpt.py``): with it SDPA would take its math kernel, which keeps the probabilities.
-    """
-    m, tp, gpu = cfg.model, layout.tp, layout.device == "gpu"
-    d, heads, seq = m.hidden_size, m.num_attention_heads, m.seq_length
-    kv = (m.num_query_groups or heads) * (d // heads)
-    w = 2 if gpu else FP32
-    mask = cfg.data.reset_attention_mask  # the batches' per-document bool mask [b, 1, s, s]; else causal, no mask
-    mask_bytes = 0  # per element of an additive [b, 1, s, s] mask the kernel makes from the bool one, per layer
-    if gpu and layout.transformer_engine and mask:
-        path = "TE's unfused attention: TE runs an arbitrary mask in neither flash nor cuDNN; keeps s x s (bf16)"
-        grouped, output_copy, probabilities = False, False, True
-    elif gpu and layout.transformer_engine:
-        path = "TE's fused attention (flash / cuDNN, causal)"
-        grouped, output_copy, probabilities = True, False, False
-    elif gpu and mask:
-        # assumed from torch's documented dispatch: flash takes no mask tensor, so the memory-efficient kernel (or
-        # cuDNN where torch ranks it first) runs; SDPA turns the bool mask into an additive one in q's dtype and the
-        # kernel keeps it for backward: [b, 1, s, s] bf16 per layer (broadcast over heads), no s x s per head
-        path = "SDPA's memory-efficient kernel: CUDA flash takes no mask; keeps the bf16 additive mask per layer"
-        grouped, output_copy, probabilities, mask_bytes = False, True, False, w
-    elif gpu:
-        path = "SDPA's CUDA flash kernel (bf16, is_causal, grouped K/V)"
-        grouped, output_copy, probabilities = True, False, False
-    else:
-        # torch 2.13 takes its CPU flash kernel for fp32 without dropout, a mask or not (measured: a bool mask runs
-        # _scaled_dot_product_flash_attention_for_cpu too, which keeps the mask made additive, fp32, per layer)
-        path = "SDPA's CPU flash kernel" + (" with the per-document mask (keeps it in fp32 per layer)" if mask else "")
-        grouped, output_copy, probabilities, mask_bytes = False, False, False, FP32 * mask
-    qkv = 2 * d + 3 * kv if grouped or kv == d else 3 * d
-    per_head = seq * w if probabilities else FP32  # probabilities or a logsumexp, per query and head
-    return path, (qkv + d * (1 + output_copy)) / tp * w + heads / tp * per_head + mask_bytes * seq
-
-
-def activation_bytes(cfg: RunConfig, layout: Layout, stage: int, in_flight: int) -> int:
-    """Estimate of the activations of ``in_flight`` micro-batches of ``stage`` at their peak: the tensors
-    autograd keeps for backward, counted per token and layer as megatron's modules and the attention kernel
-    (``attention_kept``) keep them, times ``ACTIVATION_PEAK`` (backward's gradients on top of them)."""
-    m, tp = cfg.model, layout.tp
-    f, seq = m.ffn_hidden_size, m.seq_length
-    w = 2 if layout.device == "gpu" else FP32
-    hidden = m.hidden_size // tp if cfg.parallel.sequence_parallel else m.hidden_size
-    attention = attention_kept(cfg, layout)[1]
-    replaced = set(planned_layers(m.num_layers, cfg.stem))
-    ffn = [FFN_TERMS[cfg.stem.variant if i in replaced else "dense"] for i in _stage_layers(cfg, layout.pp, stage)]
-    per_token = sum((NORM_TERMS * hidden + terms * f / tp) * w + attention for terms in ffn)
-    per_token += seq * cfg.data.reset_attention_mask  # the batch's bool mask [b, 1, s, s], held once
-    if stage == layout.pp - 1:  # the final norm's 3 as each norm's; fp32 logits (their exp, in place, is kept), on
-        logits = FP32 + (w if layout.device == "gpu" else 0)  # GPU their bf16 copy too
-        per_token += NORM_TERMS // 2 * hidden * w + m.vocab_size / tp * logits
-    return int(ACTIVATION_PEAK * per_token * cfg.train.micro_batch_size * seq * in_flight)
 
 
 def _node_stages(layout: Layout, node: int) -> list[tuple[int, int, int, int]]:
@@ -237,10 +146,37 @@ def node_shared_bytes(cfg: RunConfig, layout: Layout, node: int) -> dict[str, in
     return out
 
 
+def pinned_bytes(cfg: RunConfig, layout: Layout, stage: tuple[int, int, int, int], layers: int, itemsize: int) -> int:
+    """The pinned bytes the ranks of a stage on a node reserve before step 1 (``host_tables/pinned.py``, the same
+    functions; ``stage``: an entry of ``_node_stages``, ``layers`` its STEM layers, ``itemsize`` a row's as it
+    travels), at the ids' bound, each block as torch pins it: a rank's staging slots, and its landing buffers (one
+    a layer) or its working set's slots, landing buffers (one a layer and kind of state) and rows staged ahead."""
+    m, s, t = cfg.model, cfg.stem, cfg.train
+    V, cols, tokens = m.vocab_size, m.ffn_hidden_size // layout.tp, t.micro_batch_size * m.seq_length
+    _, dp_node, dp_nodes, peers = stage
+    slot = max(staging_bytes(layers, min(V, tokens), cols, itemsize, tokens),
+               cache_staging_bytes(min(s.cache_rows, V), cols, itemsize))
+    micro = t.global_batch_size // (t.micro_batch_size * layout.dp)
+    step_ids = layout.dp * min(V, micro * tokens)  # as the store bounds them (``store.py``)
+    total = 0
+    for peer in range(peers):
+        rows = landing_rows(RowOwnership(V, dp_nodes, dp_node, peers, peer), step_ids)
+        if s.resident_rows:  # gradients stay on the device; the working set's rows move through its own
+            moving = min(s.resident_rows, rows)
+            staged, kept = working_set_bytes(moving, cols, tokens)
+            own = [staged] * STAGING_SLOTS + [kept] * (3 * layers) + [
+                staged_bytes(staged_rows(moving, layers), layers, cols)]
+        else:
+            own = [rows * cols * FP32] * layers
+        total += layout.tp * sum(map(pinned_block_bytes, [slot] * STAGING_SLOTS + own))
+    return total
+
+
 def plan(cfg: RunConfig, layout: Layout, distinct_ids: Optional[int] = None,
-         step_distinct_ids: Optional[int] = None) -> dict:
+         step_distinct_ids: Optional[int] = None, group_distinct_ids: Optional[int] = None) -> dict:
     """The plan as a JSON-ready dict: ``stages`` (one rank's device parts), ``nodes`` (host parts per node).
-    ``distinct_ids``: a micro-batch's, ``step_distinct_ids``: a step's (one DP rank's); default: their bounds."""
+    ``distinct_ids``: a micro-batch's, ``step_distinct_ids``: a step's (one DP rank's), ``group_distinct_ids``: a
+    step's of the DP group; default: their bounds."""
     check_layout(cfg, layout)
     m, s, t, par = cfg.model, cfg.stem, cfg.train, cfg.parallel
     V, gpu, dp, row = m.vocab_size, layout.device == "gpu", layout.dp, m.ffn_hidden_size // layout.tp * FP32
@@ -271,7 +207,7 @@ def plan(cfg: RunConfig, layout: Layout, distinct_ids: Optional[int] = None,
             # one micro-batch's gradient being merged and one layer's exchange (step_pipeline.RowGradients)
             "step_rows": (layers * step_uniq + min(micro, in_flight + s.prefetch_depth * (not s.resident_rows))
                           * layers * uniq + bool(layers) * (uniq + 2 * step_uniq)) * row,
-            "activations": activation_bytes(cfg, layout, p, in_flight),
+            "activations": activation_bytes(cfg, layout, p, in_flight, uniq),
             # CPU: gloo's reduce-scatter of the grad buffer and all-gather of the param buffer (distributed
             # optimizer, DP > 1; one bucket) stage a flat copy of the whole buffer; skipped at DP = 1 (cpu_compat)
             "gloo_staging": params * FP32 * (not gpu and dp > 1 and par.use_distributed_optimizer),
@@ -284,34 +220,20 @@ def plan(cfg: RunConfig, layout: Layout, distinct_ids: Optional[int] = None,
         for stage, dp_node, dp_nodes, peers in _node_stages(layout, n):
             layers, count = len(stages[stage]["stem_layers"]), peers * layout.tp  # the stage's ranks here
             mine = math.ceil(V / (dp_nodes * peers))  # rows one rank updates: its share of its node's
-            touched = min(mine, math.ceil(dp * step_uniq / (dp_nodes * peers)))
+            touched = min(mine, math.ceil((group_distinct_ids or dp * step_uniq) / (dp_nodes * peers)))
             grads = layers * touched * (row + 8)  # dense Adam adds no zero gradients (row_adam: grads None)
             ranks["process"] += count * PROCESS_BYTES
             ranks["adam_gradients"] += count * grads
-            if gpu and layers:  # what the store reserves before step 1 (host_tables/pinned.py), at the ids' bound
-                tokens = t.micro_batch_size * m.seq_length
-                cols, itemsize = row // FP32, travel_row * FP32 // row
-                slot = max(staging_bytes(layers, min(V, tokens), cols, itemsize, tokens),
-                           cache_staging_bytes(min(s.cache_rows, V), cols, itemsize))
-                step_ids = dp * min(V, micro * tokens)
-                bounds = [landing_rows(RowOwnership(V, dp_nodes, dp_node, peers, peer), step_ids)
-                          for peer in range(peers)]
-                if s.resident_rows:  # gradients stay on the device; the working set's rows move through its own
-                    moving = [working_set_bytes(min(s.resident_rows, n), cols, tokens) for n in bounds]
-                    # its staging slots, and a landing buffer a layer for the master and each moment
-                    landing = sum(STAGING_SLOTS * staged + layers * 3 * kept for staged, kept in moving) * layout.tp
-                    landing += sum(staged_bytes(staged_rows(min(s.resident_rows, n), layers), layers, cols)
-                                   for n in bounds) * layout.tp  # and the rows it stages ahead
-                else:
-                    landing = sum(bounds) * layout.tp * layers * row
-                ranks["pinned_rows"] += count * STAGING_SLOTS * slot + landing
+            if gpu and layers:
+                ranks["pinned_rows"] += pinned_bytes(cfg, layout, (stage, dp_node, dp_nodes, peers), layers,
+                                                     travel_row * FP32 // row)
             ranks["device_parts"] += count * stages[stage]["device_total"] * (not gpu)
         ranks["process"] += LIBRARY_BYTES
         shared = node_shared_bytes(cfg, layout, n)
         nodes.append({"node": n, "stages": [e[0] for e in _node_stages(layout, n)], "shared": shared,
                       "ranks": ranks, "total": sum(shared.values()) + sum(ranks.values())})
     return {"layout": asdict(layout) | {"dp": dp}, "micro_batches": micro, "distinct_ids": uniq,
-            "attention": attention_kept(cfg, layout)[0],
+            "step_distinct_ids": step_uniq, "attention": attention_kept(cfg, layout)[0],
             "optimizer": s.optimizer, "distributed_optimizer": par.use_distributed_optimizer, "stages": stages,
             "nodes": nodes}
 
@@ -337,28 +259,34 @@ def working_set_within(cfg: RunConfig, layout: Layout, ratio: float, distinct_id
 
 
 def print_plan(result: dict, title: str, machine: Optional[tuple[str, int, int]] = None) -> None:
-    """The plan as two tables (per GPU by stage, per node by kind of node); ``machine``: (shared-memory
-    directory, its free bytes, MemAvailable) of this machine, compared with the node that needs most."""
-    lay = result["layout"]
+    """The plan as two tables (per GPU by stage, per node by kind of node), each ending with its totals at the ids'
+    bound where ``result["bound"]`` holds them; ``machine``: (shared-memory directory, its free bytes,
+    MemAvailable) of this machine, compared with the node that needs most."""
+    lay, bound = result["layout"], result.get("bound")
     unit = "GPU" if lay["device"] == "gpu" else "rank"
     print(f"memory plan: {title}")
     print(f"  {lay['nodes']} node(s) x {lay['gpus_per_node']} {unit}s, TP={lay['tp']} PP={lay['pp']} DP={lay['dp']}, "
           f"{'bf16 on GPU' if lay['device'] == 'gpu' else 'fp32 on CPU'}, "
           f"{'distributed' if result['distributed_optimizer'] else 'replicated'} Adam; {result['micro_batches']} "
-          f"micro-batch(es) a step, <= {result['distinct_ids']:,} distinct ids each; STEM Adam {result['optimizer']}")
+          f"micro-batch(es) a step; STEM Adam {result['optimizer']}")
+    print(f"  distinct ids: {result['distinct_ids']:,} a micro-batch, {result['step_distinct_ids']:,} a step"
+          + (f", {result['distinct_from']} (bound: {bound['distinct_ids']:,}, {bound['step_distinct_ids']:,})"
+             if bound else ""))
     print(f"  attention: {result['attention']}")
     stages = result["stages"]
     _table(f"per {unit}", [f"stage {s['stage']}" for s in stages], DEVICE_PARTS,
-           [s["device"] for s in stages], [s["device_total"] for s in stages])
+           [s["device"] for s in stages], [s["device_total"] for s in stages], bound and bound["device_totals"])
     groups: dict = {}
     for node in result["nodes"]:
         groups.setdefault(repr((node["stages"], node["shared"], node["ranks"])), []).append(node)
     names = [f"node {g[0]['node']}" + (f"-{g[-1]['node']}" if len(g) > 1 else "") for g in groups.values()]
     _table("per node", names, NODE_PARTS, [g[0]["shared"] | g[0]["ranks"] for g in groups.values()],
-           [g[0]["total"] for g in groups.values()])
+           [g[0]["total"] for g in groups.values()],
+           bound and [bound["node_totals"][g[0]["node"]] for g in groups.values()])
     if lay["device"] == "gpu":
-        print("processes: measured on CPU; a CUDA process's context and libraries come on top. Activations: an "
-              "estimate (docs/memory.md)" + ("" if lay["transformer_engine"] else "; without Transformer Engine"))
+        print("processes: measured on CPU; a CUDA process's context and libraries come on top. Activations: counted "
+              "from what the modules keep, measured on CPU (docs/memory.md)"
+              + ("" if lay["transformer_engine"] else "; without Transformer Engine"))
     if machine:
         directory, free, available = machine
         most, shared, fits = neediest_node(result, free, available)
@@ -375,10 +303,13 @@ def neediest_node(result: dict, free: int = 0, available: int = 0) -> tuple[dict
     return most, shared, shared <= free and most["total"] <= available
 
 
-def _table(head: str, columns: list[str], parts: dict, values: list[dict], totals: list[int]) -> None:
-    size, unit = (GIB, "GiB") if max(totals) >= GIB else (2**20, "MiB")
+def _table(head: str, columns: list[str], parts: dict, values: list[dict], totals: list[int],
+           bound: Optional[list[int]] = None) -> None:
+    size, unit = (GIB, "GiB") if max(totals + (bound or [])) >= GIB else (2**20, "MiB")
     print(f"\n{head:<32}" + "".join(f"{c:>14}" for c in columns))
     for key, label in parts.items():
         if any(v[key] for v in values):
             print(f"  {label:<30}" + "".join(f"{v[key] / size:>10.2f} {unit}" for v in values))
-    print(f"  {'total':<30}" + "".join(f"{t / size:>10.2f} {unit}" for t in totals))
+    for label, row in (("total", totals), ("total at the ids' bound", bound)):
+        if row:
+            print(f"  {label:<30}" + "".join(f"{t / size:>10.2f} {unit}" for t in row))

@@ -172,3 +172,10 @@ def landing_rows(ownership: RowOwnership, step_ids: int) -> int:
     """The most rows whose gradients this rank receives in a step (per layer): its peer class's rows of its
     node's range, and no more than the DP group's distinct ids of a step (``step_ids`` bounds them)."""
     return min(ownership.my_local().numel(), step_ids)
+
+
+def pinned_block_bytes(nbytes: int) -> int:
+    """The bytes pinned for a request of ``nbytes`` (``CudaCopies.pinned``): torch's CachingHostAllocator rounds each
+    block up to a power of two (unless ``pinned_max_round_threshold_mb`` in ``PYTORCH_ALLOC_CONF``, unset by default,
+    exempts it), so a 1.25 GiB staging slot pins 2 GiB."""
+    return 1 << (nbytes - 1).bit_length() if nbytes > 0 else 0
