@@ -175,6 +175,25 @@ print("intact")
     assert proc.returncode == 0 and "intact" in proc.stdout, proc.stdout + proc.stderr
 
 
+def test_pinned_blocks_are_what_the_memory_plan_counts(gpu_env):
+    """The memory plan counts each pinned buffer as torch's caching host allocator holds it, rounded up to a power of
+    two (``pinned.pinned_block_bytes``): a 1B working set's staging slot (16,384 rows of d_ff 8192) pins 2 GiB for
+    its 1.61 GB, and an odd small request its power of two (the first-contact review's ``probe_layer`` (d))."""
+    script = """
+import torch
+from stem_megatron.host_tables.pinned import pinned_block_bytes, working_set_bytes
+held = []
+for nbytes in (3 * 2**20 + 1, working_set_bytes(16384, 8192, 4096)[0]):
+    before = torch.cuda.host_memory_stats()["allocated_bytes.current"]
+    held.append(torch.empty(nbytes, dtype=torch.uint8, pin_memory=True))
+    grown = torch.cuda.host_memory_stats()["allocated_bytes.current"] - before
+    assert grown == pinned_block_bytes(nbytes), (nbytes, grown, pinned_block_bytes(nbytes))
+print("as planned")
+"""
+    proc = _run(["-c", script], gpu_env(), timeout=300)
+    assert proc.returncode == 0 and "as planned" in proc.stdout, proc.stdout + proc.stderr
+
+
 def test_two_threads_fetching_through_one_store_get_the_host_rows(gpu_env):
     """Issue 30, finding 2, on real streams: two threads (training's and validation's prefetchers) fetch 10 layers'
     rows at 350M widths through one HostToDevice at once; every fetch equals the host's rows."""
