@@ -17,8 +17,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))
-from gpu_check import (BUDGET_S, DOCTOR_TEST, EXTRA, GOALS, GPU_ONLY, PARTS, RUN_S, STEPS_START_S,  # noqa: E402
-                       SUMMARY_S, TRAINING, goal_rows, merge_records, plan_part, summary)
+from gpu_check import (BUDGET_S, DOCTOR_TEST, EXTRA, GPU_ONLY, PARTS, RUN_S, STEPS_START_S, SUMMARY_S,  # noqa: E402
+                       TRAINING, merge_records, plan_part)
+from gpu_goals import GOALS, goal_rows, summary  # noqa: E402
 
 
 def _record(model, variant, step, peak=None, status="ok", note=""):
