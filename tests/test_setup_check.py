@@ -13,7 +13,9 @@ import pytest
 from stem_megatron import setup_check
 
 ROOT = Path(__file__).resolve().parents[1]
-LIBRARIES = {"study_arms.py"}  # imported by study.py and study_report.py, never run; stdlib only
+# imported, never run; stdlib only: study_arms.py by study.py and study_report.py, process_tree.py by gpu_step.py and
+# gpu_check.py, gpu_goals.py by gpu_check.py
+LIBRARIES = {"study_arms.py", "process_tree.py", "gpu_goals.py"}
 # run by any Python, they need no project venv: wheelhouse.py builds an offline node's wheelhouse where pip reaches an
 # index; test_durations.py reads a JUnit XML
 STANDALONE = {"wheelhouse.py", "test_durations.py"}

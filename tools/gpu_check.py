@@ -50,8 +50,11 @@ from typing import Optional
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from benchmarks.process_tree import Stopped, confined, take_charge  # noqa: E402
-from tools.gpu_goals import goal_rows, summary  # noqa: E402
 from stem_megatron.setup_check import require_environment  # noqa: E402
+from tools.gpu_goals import goal_rows, summary  # noqa: E402
+
+if "--dry-run" not in sys.argv[1:]:  # the dry run is stdlib only: any Python prints the plan
+    require_environment()  # another Python gets `make setup`, not a traceback
 
 AUDIT_STEP = 3
 BUDGET_S = 420  # the plan without --all, setup included: 7 of a lent machine's 15 minutes
@@ -269,7 +272,6 @@ def main(argv=None) -> int:
     if args.dry_run:  # stdlib only: any Python, before setup
         print(plan(parts), end="")
         return 0
-    require_environment()  # another Python gets `make setup`, not a traceback
     from stem_megatron.doctor.cuda import nvidia_smi_gpus
 
     if not nvidia_smi_gpus():
