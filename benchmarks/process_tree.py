@@ -4,9 +4,10 @@
 A process group or session does not hold a run: torchrun's workers start in sessions of their own, and a child
 whose parent dies is re-parented away from it. So the command becomes a child subreaper (``take_charge``: Linux's
 ``PR_SET_CHILD_SUBREAPER``), which makes every orphan of its descendants its own child rather than init's, and
-``confined`` finds what a block started by walking /proc's parent links (``descendants``), not by group: at the
+``confined`` finds what a block started by its parent links (``descendants``), not by group: at the
 block's end, normal, by an exception or by SIGTERM (``Stopped``), every such process is sent SIGTERM, given
-``grace`` seconds, then SIGKILL, and reaped. Stdlib only: gpu_check imports it before its environment is checked.
+``grace`` seconds, then SIGKILL, and reaped. Importing it needs only the standard library: gpu_check imports it
+before its environment is checked.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ import ctypes
 import os
 import signal
 import time
-from pathlib import Path
 
 PR_SET_CHILD_SUBREAPER = 36  # linux/prctl.h
 KILL_WAIT_S = 30  # after SIGKILL: a process that is still there is stuck in the kernel (a GPU driver's teardown)
@@ -51,28 +51,16 @@ def take_charge() -> None:
     signal.signal(signal.SIGTERM, _stop)
 
 
-def _stat(pid: str) -> tuple[int, int, str]:
-    """(parent pid, start time in clock ticks, state) from /proc/<pid>/stat; the name may hold spaces and ')'."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
-    return int(fields[1]), int(fields[19]), fields[0]
+def descendants() -> dict[int, tuple[float, str]]:
+    """Every descendant of this process, zombies included: {pid: (start time, status)}. psutil (DeepSpeed's
+    dependency, so in every training environment) walks /proc's parent links; imported here, so that importing this
+    module needs only the standard library (gpu_check's dry run)."""
+    import psutil
 
-
-def descendants(root: int | None = None) -> dict[int, tuple[int, str]]:
-    """Every descendant of ``root`` (default: this process), zombies included: {pid: (start time, state)}."""
-    root = os.getpid() if root is None else root
-    children: dict[int, list[tuple[int, int, str]]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                parent, start, state = _stat(entry)
-            except (OSError, IndexError, ValueError):  # ended while listed
-                continue
-            children.setdefault(parent, []).append((int(entry), start, state))
-    found, todo = {}, [root]
-    while todo:
-        for pid, start, state in children.get(todo.pop(), ()):
-            found[pid] = (start, state)
-            todo.append(pid)
+    found = {}
+    for child in psutil.Process().children(recursive=True):
+        with contextlib.suppress(psutil.NoSuchProcess):
+            found[child.pid] = (child.create_time(), child.status())
     return found
 
 
@@ -106,7 +94,7 @@ def end_new(before: dict, grace: float) -> list[int]:
         _reap(found)
         found = new()
         ended |= set(found)
-        live = [pid for pid, state in found.items() if state not in "ZX"]
+        live = [pid for pid, state in found.items() if state not in ("zombie", "dead")]
         if not live or time.monotonic() > killed_at + KILL_WAIT_S:
             break
         if time.monotonic() > killed_at:
