@@ -28,6 +28,8 @@ import json
 import os
 import sys
 import tempfile
+import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -243,19 +245,24 @@ def emulated_model(p: np.ndarray, nodes: int, e: Emulation) -> tuple[float, floa
     return float(grads + stale_ids + pull), e.layers * float(touched.sum()) / nodes
 
 
-def backward_one_step(store, tokens: torch.Tensor, grad: float = 1e-3) -> None:
-    """A step of ``tokens`` (one micro-batch) through the store as training drives it, up to CPU Adam: rows
-    fetched and registered, a constant gradient on each, merged and sent to their owners."""
-    ids = torch.unique(tokens)
-    store.begin_step(1, ids)
-    fetched = store.fetch(tokens, ids)
+def token_batches(draw, steps: int) -> Iterator[dict]:
+    """One micro-batch of ``draw(step)``'s tokens a step, for steps 1 to ``steps`` + 1 (the last one's rows are only
+    announced: the step before makes them readable)."""
+    return iter([{"tokens": draw(step)} for step in range(1, steps + 2)])
+
+
+def backward_one_step(rows, store, grad: float = 1e-3, device_step: float = 0.0) -> None:
+    """A step of one micro-batch through ``rows`` (the store's pipeline, ``HostTableStore.stream``) as training drives
+    it, up to CPU Adam: the batch taken (the step begins), ``device_step`` seconds of the device's forward and backward
+    (the prefetch thread works ahead meanwhile), the rows read with a constant gradient on each, merged and sent to
+    their owners."""
+    fetched = next(rows)["stem"]
+    time.sleep(device_step)
     fetched.wait()  # its slots and step positions are the side stream's copies on GPU: as training's layer waits
-    rows_by_layer = fetched.fetched.rows or {layer: store.read_rows(layer, fetched.slots) for layer in store.layers}
-    for layer, rows in rows_by_layer.items():
-        rows = rows.clone().requires_grad_()
-        store.register(layer, fetched, rows)
-        rows.backward(torch.full_like(rows, grad))
-    store.reduce_gradients()
+    for layer in store.layers:
+        leaf = store.rows(layer, fetched)
+        leaf.backward(torch.full_like(leaf, grad))
+    rows.reduce_gradients()
 
 
 def _emulated_node(rank: int, nodes: int, port: int, p: np.ndarray, e: Emulation, out_dir: str) -> None:
@@ -273,13 +280,13 @@ def _emulated_node(rank: int, nodes: int, port: int, p: np.ndarray, e: Emulation
     parallel.initialize(1, 1, 0)
     try:
         store = HostTableStore(list(range(1, e.layers + 1)), len(p), e.cols, init_std=0.02, seed=0)
-        store.refresh(torch.unique(draw(1)))
         records = []
-        for step in range(1, e.steps + 1):
-            backward_one_step(store, draw(step))
-            store.step(1e-3, torch.unique(draw(step + 1)))
-            stats = store.take_stats()
-            records.append((stats["stem_node_bytes_sent"], stats["stem_node_rows_updated"]))
+        with store.stream(token_batches(draw, e.steps), 1) as rows:
+            for _ in range(e.steps):
+                backward_one_step(rows, store)
+                rows.step(1e-3)
+                stats = store.take_stats()
+                records.append((stats["stem_node_bytes_sent"], stats["stem_node_rows_updated"]))
     finally:
         parallel.destroy()
     torch.save(records, os.path.join(out_dir, f"{rank}.pt"))

@@ -203,7 +203,7 @@ def _static(trainer) -> dict:
         "grad_sync_bytes": grad_bytes * (dense * 2 * (dp - 1) / dp + expert * 2 * (expert_dp - 1) / expert_dp),
         "dp": dp, "expert_dp": expert_dp,
         "host_table_bytes": trainer.store.host_bytes if trainer.store is not None else 0,
-        "host_table_weight_bytes": (sum(w.numel() * w.element_size() for w in trainer.store.weight.values())
+        "host_table_weight_bytes": (sum(w.numel() * w.element_size() for w in trainer.store.record.read.values())
                                     if trainer.store is not None else 0),
     }
 

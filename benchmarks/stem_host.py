@@ -38,7 +38,7 @@ import torch  # noqa: E402
 
 from stem_megatron import parallel  # noqa: E402
 from stem_megatron.config import ModelConfig, RunConfig, STEMConfig, TrainConfig  # noqa: E402
-from stem_megatron.host_tables.row_adam import RowAdam  # noqa: E402
+from stem_megatron.host_tables.row_optimizer import RowAdam  # noqa: E402
 
 ROUNDS = 7
 ADAM_ROUNDS = 15  # item 2's ratios are medians of per-round ratios; more rounds under load

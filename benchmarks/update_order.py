@@ -6,14 +6,14 @@ before the next step's rows are released) and on (the rows the next step reads f
 background thread), and with a working set of ``--resident`` rows a layer (``stem.resident_rows``: the step's
 rows updated where the step runs). Between steps the training thread sleeps for ``--device-step`` seconds: on a
 GPU node the device runs forward and backward then and the host's cores are free, which is what the
-background part needs. Per step it prints, as medians over alternating runs: the seconds ``store.step``
-held the training thread (the critical path), the seconds of CPU Adam moved beside the next step, the
+background part needs. Per step it prints, as medians over alternating runs: the seconds the step's end
+(``RowPipeline.step``) held the training thread (the critical path), the seconds of CPU Adam moved beside the next step, the
 seconds the next step waited for them, and the share of updated rows that were not read next. For the working
 set, ``held`` splits into the slots' AdamW (``update s``: on a GPU a device kernel of ~4-12 ms by
 docs/gpu_step_v2.md, here DeepSpeed's kernel on these cores) and the host's part (``host s``: admitting the next
 step's rows, the dense decay of entering rows): what would stay on the path on a GPU. During the "device step" the
-working set loads the step after's entering rows ahead (``store.plan_ahead``, ``store.preload``; with dense Adam
-once their decay of the step is done, asked first: ``LaterDecay``), as the prefetch thread does, in ``ahead s`` (of
+prefetch thread loads the step after's entering rows into the working set ahead (``DeviceTier.plan_ahead``,
+``preload``; with dense Adam once their decay of the step is done, asked first: ``LaterDecay``), in ``ahead s`` (of
 the device step: past it, the prefetch thread would be late); ``at end`` counts the rows that still entered at the
 step's end, on the path, and ``staged`` those of them whose state that thread gathered ahead (``StagedRows``: only
 their put in place is left). ``--nodes N``
@@ -47,7 +47,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from torch.distributed.elastic.utils.distributed import get_free_port  # noqa: E402
 
-from benchmarks.row_sync import DEFAULT_COUNTS, backward_one_step, load_counts  # noqa: E402
+from benchmarks.row_sync import DEFAULT_COUNTS, backward_one_step, load_counts, token_batches  # noqa: E402
 
 
 def _run(rank: int, port: int, p: np.ndarray, args, plans: list[tuple[str, bool, int]], out: str) -> None:
@@ -77,31 +77,24 @@ def _steps(p: np.ndarray, args, rank: int, optimizer: str, overlap: bool, reside
 
     store = HostTableStore(list(range(1, args.layers + 1)), len(p), args.cols, init_std=0.02, seed=0,
                            optimizer=optimizer, overlap_update=overlap, resident_rows=resident)
+    state = store.record.state
     for layer in store.layers:  # the moments' tmpfs pages touched now, as in a run that has trained a while:
-        store.exp_avg[layer].zero_()  # else each step faults in the new rows' pages and times the kernel
-        store.exp_avg_sq[layer].zero_()
-    store.refresh(torch.unique(draw(1)))
-    store.admit(torch.unique(draw(1)))
-    store.begin_planning_ahead()  # (working set, lazy, DP > 1) each step planned as announced, not at its end
-    store.preload(store.plan_ahead(torch.unique(draw(2))))
+        state.exp_avg[layer].zero_()  # else each step faults in the new rows' pages and times the kernel
+        state.exp_avg_sq[layer].zero_()
     records = []
-    for step in range(1, args.steps + 1):
-        backward_one_step(store, draw(step))
-        start = time.perf_counter()
-        store.step(1e-3, torch.unique(draw(step + 1)))
-        held = time.perf_counter() - start
-        start = time.perf_counter()  # the device's forward and backward of the next step, during which the
-        announced = torch.unique(draw(step + 2))  # prefetcher announces the step after it (working set, lazy)
-        store.preload(store.plan_ahead(announced))
-        ahead = time.perf_counter() - start
-        time.sleep(max(0.0, args.device_step - ahead))
-        stats = store.take_stats()
-        records.append(dict(held=held, later=stats["stem_rows_updated_later"],
-                            rows=stats["stem_node_rows_updated"], beside=stats["stem_cpu_adam_overlapped_s"],
-                            wait=stats["stem_adam_wait_s"], update=stats.get("stem_resident_update_s", 0.0),
-                            entered=stats.get("stem_rows_entered", 0) - stats.get("stem_rows_entered_ahead", 0),
-                            staged=stats.get("stem_rows_entered_staged", 0),
-                            sent=stats["stem_bytes_sent"], back=stats.get("stem_receive_s", 0.0), ahead=ahead))
+    with store.stream(token_batches(draw, args.steps), 1) as rows:
+        for _ in range(args.steps):
+            backward_one_step(rows, store, device_step=args.device_step)  # the prefetch thread works ahead meanwhile
+            start = time.perf_counter()
+            rows.step(1e-3)
+            held = time.perf_counter() - start
+            stats = store.take_stats()
+            records.append(dict(held=held, later=stats["stem_rows_updated_later"],
+                                rows=stats["stem_node_rows_updated"], beside=stats["stem_cpu_adam_overlapped_s"],
+                                wait=stats["stem_adam_wait_s"], update=stats.get("stem_resident_update_s", 0.0),
+                                entered=stats.get("stem_rows_entered", 0) - stats.get("stem_rows_entered_ahead", 0),
+                                staged=stats.get("stem_rows_entered_staged", 0), sent=stats["stem_bytes_sent"],
+                                back=stats.get("stem_receive_s", 0.0), ahead=stats.get("stem_ahead_s", 0.0)))
     store.settle()
     del store
     gc.collect()  # its tables (tmpfs) go before the next plan's are made

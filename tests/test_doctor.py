@@ -17,7 +17,7 @@ from packaging.requirements import Requirement
 
 from stem_megatron.doctor import checks, cli, cuda, job_start, layered, training, versions
 from stem_megatron.doctor.report import FAIL, OK, Result, run_check
-from stem_megatron.host_tables import row_adam
+from stem_megatron.host_tables import row_optimizer
 from stem_megatron.parallel import child_env
 
 REPO = Path(__file__).resolve().parent.parent
@@ -42,7 +42,7 @@ def test_broken_deepspeed_op_fails_naming_the_fix(monkeypatch, capsys, tmp_path)
     def no_compiler():
         raise RuntimeError("Error building extension 'cpu_adam'\nninja: build stopped: subcommand failed.")
 
-    monkeypatch.setattr(row_adam, "_kernel", no_compiler)
+    monkeypatch.setattr(row_optimizer, "_kernel", no_compiler)
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     with pytest.raises(SystemExit) as exit_:
         cli.main([])

@@ -88,10 +88,9 @@ def test_sdpa_takes_the_flash_kernel_at_1b_shapes(gpu_env):
 
 SYNC_FREE = """
 import sys, torch
-from stem_megatron.host_tables.host_rows import KINDS
-from stem_megatron.host_tables.pinned import DeviceToHost
-from stem_megatron.host_tables.row_adam import RowAdam
-from stem_megatron.host_tables.slot_adam import SlotAdam
+from stem_megatron.host_tables.row_optimizer import RowAdam, RowOptimizer
+from stem_megatron.host_tables.row_state import KINDS, RowState
+from stem_megatron.host_tables.transfer import DeviceToHost
 from stem_megatron.model.stem_rows import RowOrder, silu_times_rows
 device = torch.device(sys.argv[1])
 S, B, COLS, U = map(int, sys.argv[2:6])
@@ -102,11 +101,11 @@ order = RowOrder(*(t.to(device) for t in RowOrder.of(index, U)))  # made on the 
 index = index.to(device)
 rows = (torch.randn(U, COLS, generator=g) * 0.02).to(device).requires_grad_()  # the fetch's fp32 leaf
 gate = torch.randn(S, B, COLS, generator=g).to(device, torch.bfloat16).requires_grad_()
-state = {kind: torch.rand(2 * U, COLS, generator=g).to(device) * (0.02 if kind == "master" else 1e-6)
-         for kind in KINDS}
+state = RowState(*({1: torch.rand(2 * U, COLS, generator=g).to(device) * (0.02 if kind == "master" else 1e-6)}
+                  for kind in KINDS))
 slots = torch.randperm(2 * U, generator=g)[:U].sort().values  # on the host, as the working set passes them
 grads = torch.randn(U, COLS, generator=g).to(device) * 1e-3
-adam = SlotAdam(RowAdam((0.9, 0.95), 1e-8, 0.1), "fused", device)
+adam = RowOptimizer(RowAdam((0.9, 0.95), 1e-8, 0.1), "fused", device)
 landing = DeviceToHost(device)
 landing.reserve("layer", U * COLS * 4)
 
@@ -117,9 +116,9 @@ def layer():
 
 
 calls = {"the STEM layer's forward and backward": layer,
-         "slot AdamW, lazy": lambda: adam.update(2, 1e-3, state, slots, grads),
-         "slot AdamW, dense (the other slots decayed)": lambda: adam.update(3, 1e-3, state, slots[:100], grads[:100],
-                                                                            slots[100:]),
+         "slot AdamW, lazy": lambda: adam.update(2, 1e-3, state, 1, slots, grads),
+         "slot AdamW, dense (the other slots decayed)": lambda: adam.update(3, 1e-3, state, 1, slots[:100], grads[:100],
+                                                                            untouched=slots[100:]),
          "a row-gradient landing copy": lambda: landing.copy(grads, "layer")}
 synced = []
 for name, call in calls.items():
@@ -177,11 +176,11 @@ print("intact")
 
 def test_pinned_blocks_are_what_the_memory_plan_counts(gpu_env):
     """The memory plan counts each pinned buffer as torch's caching host allocator holds it, rounded up to a power of
-    two (``pinned.pinned_block_bytes``): a 1B working set's staging slot (16,384 rows of d_ff 8192) pins 2 GiB for
+    two (``transfer.pinned_block_bytes``): a 1B working set's staging slot (16,384 rows of d_ff 8192) pins 2 GiB for
     its 1.61 GB, and an odd small request its power of two (the first-contact review's ``probe_layer`` (d))."""
     script = """
 import torch
-from stem_megatron.host_tables.pinned import pinned_block_bytes, working_set_bytes
+from stem_megatron.host_tables.transfer import pinned_block_bytes, working_set_bytes
 held = []
 for nbytes in (3 * 2**20 + 1, working_set_bytes(16384, 8192, 4096)[0]):
     before = torch.cuda.host_memory_stats()["allocated_bytes.current"]
@@ -230,7 +229,7 @@ def test_row_gradients_land_on_the_host_intact(gpu_env):
     overwritten right after the copy is issued (the copy must hold them); the buffer is the reserved one every step."""
     script = """
 import torch
-from stem_megatron.host_tables.pinned import DeviceToHost, landed
+from stem_megatron.host_tables.transfer import DeviceToHost, landed
 d2h = DeviceToHost(torch.device("cuda", 0))
 d2h.reserve(1, 3000 * 256 * 4)
 reserved = None
@@ -251,19 +250,18 @@ print("landed")
 
 
 WORKING_SET = """
-import contextlib, os, sys, threading, torch
+import contextlib, os, sys, torch
 from torch.distributed.elastic.utils.distributed import get_free_port
 os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(get_free_port()))
 from stem_megatron import parallel
-from stem_megatron.host_tables import pinned
-from stem_megatron.host_tables.node import enter_host_thread
+from stem_megatron.host_tables import transfer
 from stem_megatron.host_tables.store import HostTableStore
-from benchmarks.row_sync import backward_one_step
+from benchmarks.row_sync import backward_one_step, token_batches
 parallel.initialize(1, 1, 0)
 device, out, optimizer = torch.device(sys.argv[1]), sys.argv[2], sys.argv[3]
 V, TOKENS = 4096, 256  # ~250 distinct ids a step from 4,096: most of a step's rows are new to a set of 384
 if device.type == "cuda":  # side streams late: a read that does not wait for their work reads stale rows
-    stream = pinned.CudaCopies.stream
+    stream = transfer.CudaCopies.stream
 
     @contextlib.contextmanager
     def late_stream(copies):
@@ -271,46 +269,30 @@ if device.type == "cuda":  # side streams late: a read that does not wait for th
             torch.cuda._sleep(40_000_000)  # ~20 ms on the side stream before its work
             yield
 
-    pinned.CudaCopies.stream = late_stream
+    transfer.CudaCopies.stream = late_stream
 store = HostTableStore([1, 2], V, 64, init_std=0.02, seed=0, device=device, resident_rows=384, optimizer=optimizer,
                        micro_batch_tokens=TOKENS, micro_batches=1, compute_dtype=torch.bfloat16)
 pins = []  # pinned allocations from here on: each one a cudaHostAlloc in the middle of a step
-allocate = pinned.CudaCopies.pinned
-pinned.CudaCopies.pinned = staticmethod(lambda nbytes: pins.append(nbytes) or allocate(nbytes))
+allocate = transfer.CudaCopies.pinned
+transfer.CudaCopies.pinned = staticmethod(lambda nbytes: pins.append(nbytes) or allocate(nbytes))
 draw = lambda step: torch.randint(0, V, (1, TOKENS), generator=torch.Generator().manual_seed(step))
 moved = {"stem_rows_entered": 0, "stem_rows_entered_ahead": 0, "stem_rows_entered_staged": 0, "stem_rows_left": 0}
 busy = torch.randn(4096, 4096, device=device) if device.type == "cuda" else None
-ahead = None
-
-
-def preload(step):  # the prefetch thread's part: a thread of its own, on the rank's device (as the prefetcher's)
-    enter_host_thread(torch.get_num_threads(), device)
-    store.preload(torch.unique(draw(step)))
-
-
-first = threading.Thread(target=preload, args=(1,))  # the prefetch thread may load step 1 before its admit
-first.start()
-first.join()
-store.admit(torch.unique(draw(1)))
-for step in range(1, 9):
-    if busy is not None:  # the compute stream full while the prefetch thread loads ahead, as in training
-        for _ in range(30):
-            busy = torch.tanh(busy @ busy)
-    backward_one_step(store, draw(step))
-    if ahead is not None:
-        ahead.join()
-    store.step(1e-3, torch.unique(draw(step + 1)))
-    # as the prefetch thread announces the step after, while this one computes
-    ahead = threading.Thread(target=preload, args=(step + 2,))
-    ahead.start()
-    stats = store.take_stats()
-    for key in moved:
-        moved[key] += stats[key]
-ahead.join()
+with store.stream(token_batches(draw, 8), 1) as rows:  # its prefetch thread loads the step after's rows ahead
+    for step in range(1, 9):
+        if busy is not None:  # the compute stream full while the prefetch thread loads ahead, as in training
+            for _ in range(30):
+                busy = torch.tanh(busy @ busy)
+        backward_one_step(rows, store)
+        rows.step(1e-3)
+        stats = store.take_stats()
+        for key in moved:
+            moved[key] += stats[key]
 store.settle()
 assert not pins, f"pinned memory allocated after the store was built: {pins}"
 assert all(moved.values()), moved  # rows entered ahead, staged (dense Adam: decayed in their slots) and left
-torch.save({(layer, kind): (store.table(layer) if kind == "master" else getattr(store, kind)[layer]).float().clone()
+state = store.record.state
+torch.save({(layer, kind): (store.table(layer) if kind == "master" else state.kind(kind)[layer]).float().clone()
             for layer in store.layers for kind in ("master", "exp_avg", "exp_avg_sq")}, out)
 print("no pinning", moved)
 """
@@ -327,7 +309,7 @@ def test_a_working_set_on_the_gpu_trains_its_rows_as_the_cpu_and_pins_nothing_af
     A row loaded into the wrong slot, before its copy, or landed from a slot not yet updated differs by a whole
     update or more; on the GPU every side stream's work starts ~20 ms late, so a reader that does not wait for it
     reads such a row. And its pinned staging and landing buffers are reserved when the store is built
-    (``pinned.working_set_bytes``, ``pinned.staged_bytes``), so no step allocates pinned memory, which would synchronise
+    (``transfer.working_set_bytes``, ``transfer.staged_bytes``), so no step allocates pinned memory, which would synchronise
     the device."""
     runs = {}
     for device in ("cpu", "cuda"):

@@ -284,16 +284,20 @@ def _cache_ordering():
 
     log = []
     store = HostTableStore([1], vocab_size=16, d_ff=8, init_std=1.0, seed=0, cache_rows=4)
-    store.h2d = RecordingHostToDevice(log)
-    reload, refresh = store.cache.reload, store.refresh
-    store.cache.reload = lambda *a: log.append("cache reload") or reload(*a)
-    store.refresh = lambda *a: log.append("rows made current") or refresh(*a)
+    tier, record = store.tier, store.record
+    tier.h2d = RecordingHostToDevice(log)
+    reload, pull = tier.cache.reload, record.pull
+    tier.cache.reload = lambda *a: log.append("cache reload") or reload(*a)
+    record.pull = lambda *a: log.append("rows made current") or pull(*a)
     tokens = torch.tensor([[1, 2, 3, 1]])
-    store.fetch(tokens)  # the counts the cache picks its rows from
-    store.step(lr=0.1, next_ids=torch.unique(tokens))  # no gradients: the tables stay, the cache is (re)filled
-    log.append("step returned: the prefetcher is released")
-    rows = store.fetch(tokens).fetched.rows[1]
-    return log, torch.equal(rows, store.table(1)[torch.tensor([1, 2, 3])])
+    pipeline = store.stream(iter([{"tokens": tokens}] * 2), 1)
+    release, releases = pipeline.release, iter(["step 1 released", "step returned: the prefetcher is released"])
+    pipeline.release = lambda: log.append(next(releases)) or release()
+    with pipeline as rows:
+        next(rows)  # step 1: the counts the cache picks its rows from
+        rows.step(0.1)  # no gradients: the tables stay, the cache is (re)filled
+        fetched = next(rows)["stem"].fetched.rows[1]
+    return log, torch.equal(fetched, store.table(1)[torch.tensor([1, 2, 3])])
 
 
 @pytest.mark.slow
@@ -354,7 +358,7 @@ def test_a_staging_slot_is_handed_out_again_only_after_its_copies_and_grows_when
     """GPU staging: a fetch's rows are gathered into a pinned slot of its own, reserved before the first step, and
     copied from there; the slot goes to the next fetch only after the event of its copies, and a fetch larger
     than planned grows it once. Stand-in copies that run late show the bytes each fetch delivered."""
-    from stem_megatron.host_tables.pinned import staging_bytes
+    from stem_megatron.host_tables.transfer import staging_bytes
     from stem_megatron.host_tables.transfer import HostToDevice
 
     copies = LateCopies()
@@ -404,25 +408,26 @@ def test_rows_narrowed_on_the_way_pass_through_one_reused_scratch(monkeypatch):
 def _two_prefetchers(steps: int):
     """Two prefetchers on one store at once (training's and validation's), fetching through stand-in copies that
     run late; the rows, inverse indices and in-step positions every batch delivered, against the host's."""
-    from stem_megatron.host_tables.prefetch import RowPrefetcher
     from stem_megatron.host_tables.store import HostTableStore
     from stem_megatron.host_tables.transfer import HostToDevice
 
     layers, tokens = [1, 2, 3, 4, 5], (2, 24)
     store = HostTableStore(layers, vocab_size=V, d_ff=32, init_std=1.0, seed=0, micro_batch_tokens=48,
                            micro_batches=2)
-    store.h2d = HostToDevice(torch.device("cpu"), slot_bytes=0, copies=LateCopies(seed=1))
+    store.tier.h2d = HostToDevice(torch.device("cpu"), slot_bytes=0, copies=LateCopies(seed=1))
 
     def batches(seed):
         g = torch.Generator().manual_seed(seed)
         for _ in range(2 * steps):
             yield {"tokens": torch.randint(0, V, tokens, generator=g)}
 
-    prefetchers = [RowPrefetcher(batches(seed), store, num_micro_batches=2) for seed in (0, 1)]
+    prefetchers = [store.stream(batches(seed), 2, training=False) for seed in (0, 1)]
     wrong = checked = 0
-    try:
-        for _ in range(steps):
-            for p in prefetchers:
+    with contextlib.ExitStack() as stack:
+        for p in prefetchers:
+            stack.enter_context(p)  # step 1 announced and released
+        for step in range(steps):
+            for p in prefetchers if step else ():
                 p.next_ids()
                 p.release()
             for _ in range(2):
@@ -433,13 +438,10 @@ def _two_prefetchers(steps: int):
                     uniq = torch.unique(batch["tokens"])
                     at = store.own.position(uniq)
                     for layer in layers:
-                        wrong += not torch.equal(rows.fetched.rows[layer], store.weight[layer][at])
+                        wrong += not torch.equal(rows.fetched.rows[layer], store.record.read[layer][at])
                     wrong += not torch.equal(uniq[rows.inverse], batch["tokens"])
                     wrong += not torch.equal(p.announced[rows.in_step], uniq)
                     checked += len(layers) + 2
-    finally:
-        for p in prefetchers:
-            p.close()
     return wrong, checked
 
 
@@ -464,12 +466,13 @@ def test_host_to_device_on_cpu_gathers_without_staging():
 
 
 class _Store:
-    """What ``HostRowSource`` needs of a store: its vocabulary and layers, and where rows register."""
+    """What ``HostRowSource`` needs of a store: its vocabulary and layers, and a micro-batch's row leaf."""
 
     vocab_size, layers = V, [1]
 
-    def register(self, layer, prefetched, rows):
-        self.rows = rows
+    def rows(self, layer, prefetched):
+        self.leaf = prefetched.fetched.rows[layer].detach().requires_grad_()
+        return self.leaf
 
 
 def test_repeated_token_gradients_add_up_in_fp32_under_bf16():
@@ -477,7 +480,7 @@ def test_repeated_token_gradients_add_up_in_fp32_under_bf16():
     bf16 gradients; gathering bf16 rows would add the repeats in bf16 (8 significant bits)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from stem_megatron.host_tables.row_source import HostRowSource
+    from stem_megatron.host_tables.store import HostRowSource
     from stem_megatron.host_tables.transfer import Fetched, PrefetchedRows
     from stem_megatron.model.token_context import MicroBatchTokens
 
@@ -494,8 +497,8 @@ def test_repeated_token_gradients_add_up_in_fp32_under_bf16():
     grad = (torch.rand(out.shape, generator=torch.Generator().manual_seed(0)) + 0.5).to(torch.bfloat16)
     out.backward(grad)
     exact = grad.double().sum(dim=(0, 1))
-    assert store.rows.grad.dtype == torch.float32
-    assert torch.allclose(store.rows.grad[0].double(), exact, rtol=1e-6), (store.rows.grad[0], exact)
+    assert store.leaf.grad.dtype == torch.float32
+    assert torch.allclose(store.leaf.grad[0].double(), exact, rtol=1e-6), (store.leaf.grad[0], exact)
 
 
 def test_rows_travel_in_the_compute_precision_and_change_nothing():
@@ -504,7 +507,7 @@ def test_rows_travel_in_the_compute_precision_and_change_nothing():
     rows. A table narrower than the compute dtype is not widened."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from stem_megatron.host_tables.row_source import HostRowSource
+    from stem_megatron.host_tables.store import HostRowSource
     from stem_megatron.host_tables.transfer import Fetched, HostToDevice, PrefetchedRows
     from stem_megatron.model.token_context import MicroBatchTokens
 
@@ -524,14 +527,14 @@ def test_rows_travel_in_the_compute_precision_and_change_nothing():
         source.set_layer_number(1)
         out = source(MicroBatchTokens(ids[inverse], PrefetchedRows(ids, inverse, Fetched({1: rows}, None, {}))))
         out.backward(grad)
-        results.append((out.detach(), source.store.rows.grad))
+        results.append((out.detach(), source.store.leaf.grad))
     assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
 
 
 def test_the_cpu_adam_thread_runs_on_the_ranks_device(monkeypatch):
     """A rank's "stem-adam" thread waits for copies from its GPU (a working set's leaving rows): it sets the
     rank's device first, or its first CUDA call would open a context on GPU 0, for every rank of the node."""
-    from stem_megatron.host_tables.step_pipeline import RowUpdates
+    from stem_megatron.host_tables.pipeline import RowUpdates
 
     calls = []
     monkeypatch.setattr(torch.cuda, "set_device", lambda device: calls.append((threading.current_thread().name,

@@ -169,7 +169,7 @@ def _memory_per_node():
     shm0 = _shm_used()
     store = HostTableStore([1, 2], vocab_size=8192, d_ff=512, init_std=1.0, seed=0)
     dist.barrier()
-    total = sum(float(t.sum()) for t in store.full.values())  # fault in every page in this process
+    total = sum(float(t.sum()) for t in store.record.full.values())  # fault in every page in this process
     dist.barrier()
     measured = {"shm": _shm_used() - shm0, "bytes": store.host_bytes, "total": total, **_table_mappings()}
     dist.barrier()  # a rank that returned would unmap its pages while the other still measures its share
@@ -186,14 +186,14 @@ def _rows_held(resident_rows: int):
 
     trainer = setup_model(_cfg(1, 1, "host", optimizer="lazy", steps=2, resident_rows=resident_rows))
     store, watched, alive_at_register = trainer.store, [], []
-    register = store.register
+    track = store.grads.track
 
-    def watching(layer, prefetched, rows):
+    def watching(layer, in_step, rows):
         alive_at_register.append(sum(ref() is not None for ref in watched))
         watched.append(weakref.ref(rows))
-        register(layer, prefetched, rows)
+        track(layer, in_step, rows)
 
-    store.register = watching
+    store.grads.track = watching
     n_micro = GLOBAL // MICRO
     tokens = [b["tokens"] for b in _data(0, 1, steps=2)]
     peaks = []
@@ -266,8 +266,8 @@ def _prefetch_errors():
             out["cause"] = (type(e.__cause__).__name__, str(e.__cause__))
 
     fetches = []  # the ids' first use after the range check (transfer.fetch_rows)
-    original = store.cache.observe
-    store.cache.observe = lambda *a: fetches.append(a) or original(*a)
+    original = store.tier.cache.observe
+    store.tier.cache.observe = lambda *a: fetches.append(a) or original(*a)
     bad = iter([{"tokens": torch.tensor([[1, 16]]), "labels": torch.tensor([[1, 2]])}])
     try:
         with with_rows(bad, store, num_micro_batches=1) as prefetcher:
@@ -301,7 +301,7 @@ def _cache_is_transparent():
         cfg.stem.cache_rows = cache_rows
         torch.manual_seed(0)  # the same initial dense weights for both models
         trainer = setup_model(cfg)
-        trainer.store.cache.refresh_every = 2  # re-choose the hot rows during the run too
+        trainer.store.tier.cache.refresh_every = 2  # re-choose the hot rows during the run too
         losses, hit_rates = [], []
         with with_rows(_data(dp_rank, dp, steps=6), trainer.store, n_micro) as data:
             for _ in range(6):

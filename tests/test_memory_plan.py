@@ -253,7 +253,7 @@ def test_pinned_blocks_are_planned_as_torch_pins_them():
     STEM-1/3 on one GPU, two staging slots of 0.78 GiB and ten landing buffers of 32,000 rows (327.7 MB, issue 51)
     pin 2 x 1 GiB and 10 x 512 MiB; 1B with a working set of 16,384 rows at gpu_step's batch, 14.5 GiB (15.6 GB,
     the issue's) where the bytes asked are 12.63 GiB."""
-    from stem_megatron.host_tables.pinned import pinned_block_bytes
+    from stem_megatron.host_tables.transfer import pinned_block_bytes
     from stem_megatron.recipes import compose_run
 
     assert [pinned_block_bytes(n) for n in (0, 1, 4096, 4097, 327_680_000)] == [0, 1, 4096, 8192, 2**29]

@@ -126,7 +126,7 @@ def test_offline_setup_reuses_the_nodes_torch(tmp_path):
     proc = subprocess.run([str(venv / "bin" / "python"), "-W", "ignore", "-c", """
 import json, torch, megatron.core, deepspeed, hydra
 from importlib import metadata
-from stem_megatron.host_tables.row_adam import RowAdam
+from stem_megatron.host_tables.row_optimizer import RowAdam
 RowAdam((0.9, 0.95), 1e-8, 0)
 print(json.dumps({"torch": metadata.version("torch"), "file": torch.__file__}))
 """], capture_output=True, text=True, cwd=tmp_path, env=env, timeout=600)

@@ -9,22 +9,20 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from stem_megatron.host_tables.prefetch import RowPrefetcher
+from stem_megatron.host_tables.pipeline import RowPipeline
 
 
-class _Store:
-    """The store's side the prefetch thread sees, recording which steps it planned."""
-
-    device, vocab_size = torch.device("cpu"), 64
+class _Tier:
+    """The tier's side the prefetch thread sees, recording which steps it planned."""
 
     def __init__(self):
-        self.planned: list[torch.Tensor] = []
+        self.steps: list[torch.Tensor] = []  # the ids of each step planned ahead
 
     def begin_planning_ahead(self) -> bool:
         return True
 
     def plan_ahead(self, ids: torch.Tensor) -> torch.Tensor:
-        self.planned.append(ids)
+        self.steps.append(ids)
         return ids
 
     def preload(self, ids: torch.Tensor) -> None:
@@ -33,11 +31,28 @@ class _Store:
     def fetch(self, tokens, ids, training):
         return SimpleNamespace(fetched=SimpleNamespace(stats={}))
 
-    def count(self, stats: dict) -> None:
+    def admit(self, ids: torch.Tensor) -> None:
         pass
+
+    def planned(self, ids: torch.Tensor) -> None:
+        return None
 
     def end_planning_ahead(self) -> None:
         self.ended = True
+
+
+class _Store:
+    """The store's side the pipeline sees: its tier, counters, row gradients' begin and Adam thread, no tables."""
+
+    device, vocab_size, counters = torch.device("cpu"), 64, {}
+
+    def __init__(self):
+        self.tier = _Tier()
+        self.grads = SimpleNamespace(begin=lambda ids, micro_batches, plan: None)
+        self.updates = SimpleNamespace(settle=lambda: None)
+
+    def refresh(self, ids: torch.Tensor) -> None:
+        pass
 
 
 def _steps(n: int):
@@ -56,20 +71,17 @@ def _until(condition, timeout=5.0) -> bool:
 
 def test_a_step_is_planned_only_once_the_one_before_has_begun_and_close_waits_for_that_plan():
     store = _Store()
-    prefetcher = RowPrefetcher(_steps(4), store, num_micro_batches=1)
-    assert torch.equal(prefetcher.next_ids(), torch.tensor([1, 11]))  # step 1: allowed from the start
-    prefetcher.release()
-    next(prefetcher)  # step 1's batch, as the schedule takes it
-    time.sleep(0.3)
-    assert len(store.planned) == 1  # step 2's ids are read, but step 1 has not begun
-    with pytest.raises(RuntimeError, match="the step before was not begun"):
-        prefetcher.next_ids()
-    assert torch.equal(prefetcher.begin(), torch.tensor([1, 11]))
-    assert _until(lambda: len(store.planned) == 2)
-    assert torch.equal(prefetcher.next_ids(), torch.tensor([2, 12]))
-    prefetcher.release()
-    prefetcher.begin()  # step 2 runs: step 3 may be planned, and close waits for that plan
-    next(prefetcher)
-    prefetcher.close()
-    assert [ids.tolist() for ids in store.planned] == [[1, 11], [2, 12], [3, 13]] and store.ended
-
+    tier = store.tier
+    with RowPipeline(_steps(4), store, num_micro_batches=1) as pipeline:  # step 1: allowed from the start, released
+        assert torch.equal(pipeline.announced, torch.tensor([1, 11]))
+        time.sleep(0.3)
+        assert len(tier.steps) == 1  # step 2's ids are read, but step 1 has not begun
+        with pytest.raises(RuntimeError, match="the step before was not begun"):
+            pipeline.next_ids()
+        next(pipeline)  # step 1's batch, as the schedule takes it: the step begins
+        assert torch.equal(pipeline.announced, torch.tensor([1, 11]))
+        assert _until(lambda: len(tier.steps) == 2)
+        assert torch.equal(pipeline.next_ids(), torch.tensor([2, 12]))
+        pipeline.release()
+        next(pipeline)  # step 2 runs: step 3 may be planned, and leaving waits for that plan
+    assert [ids.tolist() for ids in tier.steps] == [[1, 11], [2, 12], [3, 13]] and tier.ended

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from stem_megatron.host_tables.row_adam import RowAdam
+from stem_megatron.host_tables.row_optimizer import RowAdam
 
 BETAS, EPS, WD = (0.9, 0.95), 1e-8, 0.1
 
@@ -173,7 +173,7 @@ def test_flags_are_detected_once_a_kind_of_cpu_and_are_deepspeeds(adam, tmp_path
 
     from deepspeed.ops.op_builder import CPUAdamBuilder
 
-    from stem_megatron.host_tables import row_adam
+    from stem_megatron.host_tables import row_optimizer as row_adam
 
     kept = json.loads((row_adam._extensions_root() / "stem_row_adam_cxx_args.json").read_text())
     assert kept[row_adam._cpu_key()] == CPUAdamBuilder().cxx_args()  # the fixture's op loaded with them

@@ -24,7 +24,7 @@ def _owners_rows(store) -> dict:
     """Each table as its owners hold it: every rank contributes the rows it updates."""
     parts = [None] * torch.distributed.get_world_size()
     mine = store.own.my_rows()
-    rows = {layer: store.weight[layer][store.own.position(mine)].float() for layer in LAYERS}
+    rows = {layer: store.record.read[layer][store.own.position(mine)].float() for layer in LAYERS}
     torch.distributed.all_gather_object(parts, (mine, rows))
     tables = {layer: torch.full((V, D_FF), float("nan")) for layer in LAYERS}
     for ids, rows in parts:
@@ -36,7 +36,7 @@ def _owners_rows(store) -> dict:
 def _owned_training(nodes: int, optimizer: str, wire: str, cache_rows: int, copies: str = "fp32"):
     import torch.distributed as dist
 
-    from stem_megatron.host_tables.row_adam import RowAdam
+    from stem_megatron.host_tables.row_optimizer import RowAdam
     from stem_megatron.host_tables.store import HostTableStore
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -51,45 +51,43 @@ def _owned_training(nodes: int, optimizer: str, wire: str, cache_rows: int, copi
     v = {layer: torch.zeros(V, D_FF) for layer in LAYERS}
     adam = RowAdam((0.9, 0.95), 1e-8, 0.1)
     out = {"read_vs_owner": 0, "read_vs_ref": 0.0, "sq": 0.0, "rows_updated": [], "union": [], "sent": []}
-    store.refresh(torch.unique(_tokens(1, rank)))
-    for step in range(1, STEPS + 1):
-        tokens = _tokens(step, rank)
-        store.begin_step(1, torch.unique(tokens))
-        fetched = store.fetch(tokens, torch.unique(tokens))
-        uniq, owners = fetched.uniq, _owners_rows(store)
-        grads = {}
-        for layer in LAYERS:
-            read = fetched.fetched.rows[layer]
-            out["read_vs_owner"] += int((read != owners[layer][uniq]).any(dim=1).sum())
-            # a bf16 copy holds the master row rounded (8 significant bits): compare in units of its precision
-            scale = 1.0 if copies == "fp32" else ref[layer][uniq].abs() * 2**-8 + 1e-30
-            out["read_vs_ref"] = max(out["read_vs_ref"], ((read - ref[layer][uniq]).abs() / scale).max().item())
-            grads[layer] = torch.randn(uniq.numel(), D_FF, generator=torch.Generator().manual_seed(step * 7 + layer
-                                                                                                   + 1000 * rank))
-            rows = read.clone().requires_grad_()
-            store.register(layer, fetched, rows)
-            rows.backward(grads[layer])
-        sq = float(store.reduce_gradients())
-        everyone = [None] * world
-        dist.all_gather_object(everyone, (uniq, grads))
-        touched = torch.unique(torch.cat([u for u, _ in everyone]))
-        ref_sq = 0.0
-        for layer in LAYERS:
-            mean = torch.zeros(V, D_FF)
-            for u, g in everyone:
-                mean.index_add_(0, u, g[layer])
-            mean /= world
-            ref_sq += float(mean[touched].pow(2).sum())
-            if optimizer == "lazy":
-                adam.update_rows(step, LR, touched, mean[touched], ref[layer], m[layer], v[layer])
-            else:
-                adam.update(step, LR, ref[layer], mean, m[layer], v[layer])
-        out["sq"] = max(out["sq"], abs(sq - ref_sq) / ref_sq)
-        store.step(LR, torch.unique(_tokens(step + 1, rank)))
-        stats = store.take_stats()
-        out["rows_updated"].append(stats["stem_node_rows_updated"])
-        out["union"].append(touched.numel() * len(LAYERS))
-        out["sent"].append(stats["stem_node_bytes_sent"])
+    batches = iter([{"tokens": _tokens(step, rank)} for step in range(1, STEPS + 2)])  # the last: announced only
+    with store.stream(batches, 1) as data:  # step 1's rows made current as it is entered
+        for step in range(1, STEPS + 1):
+            fetched = next(data)["stem"]
+            uniq, owners = fetched.uniq, _owners_rows(store)
+            grads = {}
+            for layer in LAYERS:
+                rows = store.rows(layer, fetched)  # the leaf whose gradient goes to the rows' owners
+                read = rows.detach()
+                out["read_vs_owner"] += int((read != owners[layer][uniq]).any(dim=1).sum())
+                # a bf16 copy holds the master row rounded (8 significant bits): compare in units of its precision
+                scale = 1.0 if copies == "fp32" else ref[layer][uniq].abs() * 2**-8 + 1e-30
+                out["read_vs_ref"] = max(out["read_vs_ref"], ((read - ref[layer][uniq]).abs() / scale).max().item())
+                grads[layer] = torch.randn(uniq.numel(), D_FF, generator=torch.Generator().manual_seed(step * 7 + layer
+                                                                                                       + 1000 * rank))
+                rows.backward(grads[layer])
+            sq = float(data.reduce_gradients())
+            everyone = [None] * world
+            dist.all_gather_object(everyone, (uniq, grads))
+            touched = torch.unique(torch.cat([u for u, _ in everyone]))
+            ref_sq = 0.0
+            for layer in LAYERS:
+                mean = torch.zeros(V, D_FF)
+                for u, g in everyone:
+                    mean.index_add_(0, u, g[layer])
+                mean /= world
+                ref_sq += float(mean[touched].pow(2).sum())
+                if optimizer == "lazy":
+                    adam.update_rows(step, LR, touched, mean[touched], ref[layer], m[layer], v[layer])
+                else:
+                    adam.update(step, LR, ref[layer], mean, m[layer], v[layer])
+            out["sq"] = max(out["sq"], abs(sq - ref_sq) / ref_sq)
+            data.step(LR)  # with the next step's ids, as announced
+            stats = store.take_stats()
+            out["rows_updated"].append(stats["stem_node_rows_updated"])
+            out["union"].append(touched.numel() * len(LAYERS))
+            out["sent"].append(stats["stem_node_bytes_sent"])
     masters = {layer: store.owner_table(layer) for layer in LAYERS}
     dist.broadcast_object_list(objs := [masters], src=0)
     masters = objs[0]

@@ -176,18 +176,13 @@ def test_emulated_nodes_measure_what_the_model_predicts(tmp_path):
         assert r["adam_rows_per_node"] == pytest.approx(r["model_adam_rows_per_node"], rel=0.1)
 
 
-class _LateCopies:
-    """A store whose fetches' device indices (each id's working-set slot, its position among the step's ids) land only
+def _late_copies(store) -> None:
+    """The store's fetches' device indices (each id's working-set slot, its position among the step's ids) land only
     at ``wait()``, as the GPU's side-stream copies do; until then they hold zeros, as memory not yet written may."""
+    fetch = store.tier.fetch
 
-    def __init__(self, store):
-        self.store = store
-
-    def __getattr__(self, name):
-        return getattr(self.store, name)
-
-    def fetch(self, tokens, ids):
-        fetched = self.store.fetch(tokens, ids)
+    def late(tokens, ids, training=True):
+        fetched = fetch(tokens, ids, training)
         landing = {name: getattr(fetched, name) for name in ("slots", "in_step") if getattr(fetched, name) is not None}
         for name, value in landing.items():
             setattr(fetched, name, torch.zeros_like(value))
@@ -201,19 +196,23 @@ class _LateCopies:
         fetched.wait = wait
         return fetched
 
+    store.tier.fetch = late
+
 
 def _tables_after_three_steps(late: bool) -> dict:
     """A working set of 96 slots over 256 rows, three steps of ``backward_one_step`` (tests/test_gpu.py's working-set
-    script, on the CPU), through ``_LateCopies`` or not; the tables after."""
+    script, on the CPU), through ``_late_copies`` or not; the tables after."""
     from stem_megatron.host_tables.store import HostTableStore
 
     store = HostTableStore([1, 2], 256, 16, init_std=0.02, seed=0, resident_rows=96, micro_batch_tokens=64,
                            micro_batches=1)
     draw = lambda step: torch.randint(0, 256, (1, 64), generator=torch.Generator().manual_seed(step))  # noqa: E731
-    store.admit(torch.unique(draw(1)))
-    for step in range(1, 4):
-        rs.backward_one_step(_LateCopies(store) if late else store, draw(step))
-        store.step(1e-2, torch.unique(draw(step + 1)))
+    if late:
+        _late_copies(store)
+    with store.stream(rs.token_batches(draw, 3), 1) as rows:
+        for _ in range(3):
+            rs.backward_one_step(rows, store)
+            rows.step(1e-2)
     store.settle()
     return {layer: store.table(layer).clone() for layer in store.layers}
 

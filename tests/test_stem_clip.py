@@ -27,7 +27,7 @@ def _cfg(clip, clip_grad):
 def _one_step(cfg, weights, boost):
     """One step; returns the step record, the dense grads megatron's Adam gets and the row grads CPU Adam
     gets. ``boost`` multiplies the gradient reaching the table rows (a hook on each micro-batch's row leaf as the
-    store registers it), so the tables' norm can exceed the dense one; the dense gradients do not depend on it."""
+    store tracks it), so the tables' norm can exceed the dense one; the dense gradients do not depend on it."""
     from megatron.core import parallel_state
 
     from stem_megatron.training.data_stream import with_rows
@@ -41,15 +41,15 @@ def _one_step(cfg, weights, boost):
                 p.copy_(weights[name])
             else:
                 weights[name] = p.detach().clone()
-    register = trainer.store.register
+    track = trainer.store.grads.track
 
-    def boosted(layer, prefetched, rows):
+    def boosted(layer, in_step, rows):
         rows.register_hook(lambda grad: grad * boost)  # before the gradient accumulates into the leaf
-        register(layer, prefetched, rows)
+        track(layer, in_step, rows)
 
-    trainer.store.register = boosted
+    trainer.store.grads.track = boosted
     dense, rows = [], []
-    optimizer, adam = trainer.optimizer, trainer.store.adam
+    optimizer, adam = trainer.optimizer, trainer.store.optimizer.adam
     step_with_ready_grads, update_rows = optimizer.step_with_ready_grads, adam.update_rows
 
     def capture_dense():

@@ -33,15 +33,15 @@ def _slow_decay():
     preload of the step after comes while that decay is under way, and must wait for its rows."""
     import time
 
-    from stem_megatron.host_tables import later_decay
+    from stem_megatron.host_tables import row_optimizer
 
-    later_decay.CHUNK_ELEMENTS = 1
-    run = later_decay.LaterDecay.run
+    row_optimizer.CHUNK_ELEMENTS = 1
+    run = row_optimizer.LaterDecay.run
 
     def slowly(self, ids, decay):
         return run(self, ids, lambda chunk: (time.sleep(0.002), decay(chunk)))
 
-    later_decay.LaterDecay.run = slowly
+    row_optimizer.LaterDecay.run = slowly
 
 
 def _train(tp, pp, optimizer, read_dtype, resident_rows):
@@ -61,7 +61,7 @@ def _train(tp, pp, optimizer, read_dtype, resident_rows):
     torch.manual_seed(0)
     trainer = setup_model(cfg)
     store = trainer.store
-    n_micro = GLOBAL // (MICRO * torch.distributed.get_world_size(store.dp_group))
+    n_micro = GLOBAL // (MICRO * torch.distributed.get_world_size(store.grads.dp_group))
     out = {"loss": [], "grad_norm": [], "valid": [], "tables_mid": [], "entered": 0, "ahead": 0, "staged": 0,
            "left": 0, "asked": 0}
     with with_rows(_data(STEPS), store, n_micro) as data:
@@ -84,7 +84,7 @@ def _train(tp, pp, optimizer, read_dtype, resident_rows):
                 trainer.model.train()
     store.settle()
     out["tables"] = {layer: store.table(layer) for layer in store.layers}
-    out["moments"] = {(layer, kind): getattr(store, kind)[layer].clone()
+    out["moments"] = {(layer, kind): store.record.state.kind(kind)[layer].clone()
                       for layer in store.layers for kind in ("exp_avg", "exp_avg_sq")}
     return out
 
@@ -106,7 +106,7 @@ CASES = {  # (tp, pp, dp, optimizer, read_dtype, resident_rows): rows enter and 
 @pytest.mark.parametrize("case", CASES)
 def test_working_set_trains_bitwise_like_the_host_step(case):
     """At DP = 2 each rank's set holds the rows it owns and every rank reads its step's rows from their owners
-    (host_tables/step_rows.py), loading its rows of a step as its prefetch thread plans it: still bitwise the host
+    (``device_tier.StepRows``), loading its rows of a step as its prefetch thread plans it: still bitwise the host
     step, whose owners update on the host and pull. With dense Adam the rows loaded ahead are those whose host decay
     of the step before was asked for first, while that decay ran a row at a time."""
     tp, pp, dp, optimizer, read_dtype, resident_rows = CASES[case]
@@ -132,26 +132,44 @@ def test_working_set_trains_bitwise_like_the_host_step(case):
 
 
 
+class _Host:
+    """A host record whose row of an id is the id (``HostRecord``'s face to a working set)."""
+
+    def __init__(self, master, exp_avg, exp_avg_sq):
+        from stem_megatron.host_tables.row_state import RowState
+
+        self.state = RowState(master, exp_avg, exp_avg_sq)
+
+    def local(self, ids):
+        return ids
+
+    def write(self, layer, kind, ids, rows):
+        self.state.kind(kind)[layer][ids] = rows
+
+
+def _optimizer(kernel="rows", dense=False):
+    from stem_megatron.host_tables.row_optimizer import RowAdam, RowOptimizer
+
+    return RowOptimizer(RowAdam((0.9, 0.95), 1e-8, 0.1), kernel, torch.device("cpu"), dense)
+
+
 def _one_update(kernel, dense, step=7):
     """A working set of 48 slots over 200 rows of 256 columns (a whole number of DeepSpeed's SIMD spans, as the
     paper's d_ff), state drawn as after some training; one AdamW step of 40 rows (lazy) or every resident row
     (dense). Returns, for the masters and both moments, (the resident rows' value before, after)."""
-    from stem_megatron.host_tables.row_adam import RowAdam
-    from stem_megatron.host_tables.host_rows import HostRows
     from stem_megatron.host_tables.working_set import WorkingSet
 
     g = torch.Generator().manual_seed(3)
     V, cols = 200, 256
     master, m = torch.randn(V, cols, generator=g), torch.randn(V, cols, generator=g) * 1e-2
     v = torch.rand(V, cols, generator=g) * 1e-4
-    host = HostRows({1: master}, {1: m}, {1: v}, {1: master}, lambda ids: ids, lambda ids: ids)
-    ws = WorkingSet([1], 48, V, cols, torch.device("cpu"), torch.float32, host,
-                    RowAdam((0.9, 0.95), 1e-8, 0.1), kernel=kernel, dense=dense)
+    host = _Host({1: master}, {1: m}, {1: v})
+    ws = WorkingSet([1], 48, V, cols, torch.device("cpu"), torch.float32, host, _optimizer(kernel, dense))
     ws.admit(torch.arange(0, 96, 2))
     ids = torch.arange(0, 80, 2)
     ws.update(step, 3e-3, 1, ids, torch.randn(ids.numel(), cols, generator=g) * 1e-2)
     before = dict(master=master, exp_avg=m, exp_avg_sq=v)
-    return {kind: (before[kind][0:96:2], ws.state[1][kind][:48].clone()) for kind in before}
+    return {kind: (before[kind][0:96:2], ws.state.kind(kind)[1][:48].clone()) for kind in before}
 
 
 @pytest.mark.parametrize("dense", [False, True])
@@ -173,21 +191,20 @@ def _staged_run(staged_rows, switch_at=None, dense=False):
     thread does (``preload`` before the step before is updated; two steps read ~50 rows, so some find no slot then);
     ``staged_rows``: the most rows a layer staged ahead (0: none). ``switch_at``: that step admits other ids than
     the ones preloaded. ``dense``: the recipe's dense Adam, whose rows outside the set decay on the host (the entering
-    ones in ``admit``, the others after it, as ``resident_step`` does). Returns the slots' state and map after every
+    ones in ``admit``, the others after it, as ``device_tier`` does). Returns the slots' state and map after every
     step, the host record at the end, the counters."""
-    from stem_megatron.host_tables.row_adam import RowAdam
-    from stem_megatron.host_tables.staged_rows import StagedRows
-    from stem_megatron.host_tables.host_rows import KINDS, HostRows
-    from stem_megatron.host_tables.working_set import MissedUpdate, WorkingSet
+    from stem_megatron.host_tables.row_optimizer import MissedUpdate
+    from stem_megatron.host_tables.row_state import KINDS, StagedRows
+    from stem_megatron.host_tables.working_set import WorkingSet
 
     g = torch.Generator().manual_seed(5)
     V, cols, layers = 200, 16, [1, 2]
     master = {layer: torch.randn(V, cols, generator=g) for layer in layers}
     zeros = lambda: {layer: torch.zeros(V, cols) for layer in layers}  # noqa: E731
-    host = HostRows(master, zeros(), zeros(), {layer: t.clone() for layer, t in master.items()},
-                    lambda ids: ids, lambda ids: ids)
-    adam = RowAdam((0.9, 0.95), 1e-8, 0.1)
-    ws = WorkingSet(layers, 40, V, cols, torch.device("cpu"), torch.float32, host, adam, ahead=True, dense=dense)
+    host = _Host(master, zeros(), zeros())
+    optimizer = _optimizer(dense=dense)
+    adam = optimizer.adam
+    ws = WorkingSet(layers, 40, V, cols, torch.device("cpu"), torch.float32, host, optimizer, ahead=True)
     ws.staged = StagedRows(layers, cols, staged_rows)
     steps = [torch.unique(torch.randint(0, V, (30,), generator=g)) for _ in range(12)]
     grads = [torch.randn(200, cols, generator=g) for _ in range(12)]
@@ -203,7 +220,7 @@ def _staged_run(staged_rows, switch_at=None, dense=False):
         if dense:
             def on_host(rows, s=s):
                 for layer in layers:
-                    adam.update_untouched_rows(s, 1e-2, rows, *(host.kind(k)[layer] for k in KINDS))
+                    adam.update_untouched_rows(s, 1e-2, rows, *(host.state.kind(k)[layer] for k in KINDS))
             outside = ws.slot_of < 0
             outside[ids] = False
             at_admit = lambda rows, on_host=on_host: (on_host(rows), decayed.append(rows.numel()))  # noqa: E731
@@ -213,7 +230,7 @@ def _staged_run(staged_rows, switch_at=None, dense=False):
             land()
         if dense:
             on_host(rest)
-        state = {layer: {kind: t.clone() for kind, t in ws.state[layer].items()} for layer in layers}
+        state = {layer: {kind: t.clone() for kind, t in ws.state.layer(layer).items()} for layer in layers}
         seen.append((ws.slot_of.clone(), state))
     ws.write_back()
     return seen, host, dict(ws.stats, decayed_on_host=sum(decayed))
@@ -243,8 +260,8 @@ def test_rows_staged_ahead_enter_as_they_would_at_the_steps_end(dense):
                 for kind, value in kinds.items():
                     assert torch.equal(state[layer][kind], value), (step, layer, kind)
         for kind in ("master", "exp_avg", "exp_avg_sq"):
-            for layer, value in plain_host.kind(kind).items():
-                assert torch.equal(host.kind(kind)[layer], value), (kind, layer)
+            for layer, value in plain_host.state.kind(kind).items():
+                assert torch.equal(host.state.kind(kind)[layer], value), (kind, layer)
 
 
 def test_the_decay_beside_the_step_takes_asked_rows_first_and_ends_as_in_one_piece():
@@ -254,8 +271,7 @@ def test_the_decay_beside_the_step_takes_asked_rows_first_and_ends_as_in_one_pie
     import threading
     import time
 
-    from stem_megatron.host_tables.later_decay import CHUNK_ELEMENTS, LaterDecay
-    from stem_megatron.host_tables.row_adam import RowAdam
+    from stem_megatron.host_tables.row_optimizer import CHUNK_ELEMENTS, LaterDecay, RowAdam
 
     g = torch.Generator().manual_seed(2)
     V, cols = 400, 8
@@ -313,16 +329,12 @@ def test_a_dense_set_loads_ahead_only_until_the_step_before_begins_its_update():
     has not begun its update (which then covers it), and rows are staged only then too (``admit`` decays them with
     that update, which they missed); ``preload`` after ``begin_update`` loads and stages nothing (``admit`` loads
     those rows, after the host decayed them)."""
-    from stem_megatron.host_tables.row_adam import RowAdam
-    from stem_megatron.host_tables.host_rows import HostRows
     from stem_megatron.host_tables.working_set import WorkingSet
 
     V, cols = 100, 8
     master = {1: torch.randn(V, cols)}
-    host = HostRows(master, {1: torch.zeros(V, cols)}, {1: torch.zeros(V, cols)}, {1: master[1].clone()},
-                    lambda ids: ids, lambda ids: ids)
-    ws = WorkingSet([1], 20, V, cols, torch.device("cpu"), torch.float32, host, RowAdam((0.9, 0.95), 1e-8, 0.1),
-                    ahead=True, dense=True)
+    host = _Host(master, {1: torch.zeros(V, cols)}, {1: torch.zeros(V, cols)})
+    ws = WorkingSet([1], 20, V, cols, torch.device("cpu"), torch.float32, host, _optimizer(dense=True), ahead=True)
     ws.preload(torch.arange(10))  # before any admit: no step before it to update it
     assert ws.stats["rows_entered_ahead"] == 0 and ws.staged.ids is None
     ws.admit(torch.arange(10))

@@ -74,12 +74,12 @@ class Lanes:
         Audit(self).__enter__()
 
     def install(self) -> None:
-        from stem_megatron.host_tables import node, pinned, transfer
+        from stem_megatron.host_tables import node, transfer
 
         torch.cuda.current_stream, torch.cuda.stream = self.current, self.on
         torch.cuda.set_device = lambda device: None
         torch.Tensor.record_stream = lambda tensor, stream: None  # memory reuse: not what CSAN checks
-        transfer.CudaCopies = pinned.CudaCopies = lambda device: LaneCopies(self)
+        transfer.CudaCopies = lambda device: LaneCopies(self)
         node.enter_sanitizer = self.enter_thread
 
 
@@ -189,65 +189,55 @@ def _harness():
     module = importlib.util.module_from_spec(spec)
     sys.modules["row_sync"] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
-    return module.backward_one_step
+    return module
 
 
 def _on_lanes(store, lanes: Lanes):
     """``store``'s working set made anew on the stand-in device (``cuda``, which the CPU redirection maps to the CPU):
     its GPU branches, its copies on lanes, torch's fused AdamW."""
-    from stem_megatron.host_tables.host_rows import HostRows
+    from stem_megatron.host_tables.row_optimizer import RowOptimizer
+    from stem_megatron.host_tables.row_state import KINDS
     from stem_megatron.host_tables.working_set import WorkingSet
 
-    cpu = store.resident
-    host = HostRows(store.master, store.exp_avg, store.exp_avg_sq, store.weight, store.own.local, store.own.position)
+    cpu, cuda = store.tier.ws, torch.device("cuda")
     moving = min(SLOTS, TOKENS)  # as the store reserves for (DP = 1: a step reads at most its tokens' ids)
-    store.resident = WorkingSet(store.layers, SLOTS, V, COLS, torch.device("cuda"), cpu.travel, host, store.adam,
-                                ahead=True, dense=cpu.dense, moving_rows=moving, tokens=TOKENS)
-    for state in store.resident.state.values():
-        for tensor in state.values():
+    slots = RowOptimizer(store.optimizer.adam, "fused", cuda, store.optimizer.dense)
+    store.tier.ws = WorkingSet(store.layers, SLOTS, V, COLS, cuda, cpu.travel, store.record, slots, ahead=True,
+                               moving_rows=moving, tokens=TOKENS)
+    for kind in KINDS:
+        for tensor in store.tier.ws.state.kind(kind).values():
             lanes.mark(tensor)
 
 
 def _working_set_steps(optimizer: str, on_lanes: bool) -> dict:
     """tests/test_gpu.py's working-set script: ``STEPS`` steps of ``backward_one_step`` on a set of ``SLOTS`` rows a
-    layer, the next step's rows preloaded by a thread of its own (the prefetch thread's part) while a step runs.
+    layer through the store's pipeline, whose prefetch thread preloads the next step's rows while a step runs.
     ``on_lanes``: on the stand-in device, every access audited; else on the CPU. Both run torch's fused AdamW (the
     GPU's kernel). Returns the CSAN reports, the lanes that touched device tensors, the rows moved and the tables and
     moments after."""
-    from stem_megatron.host_tables.node import enter_host_thread
     from stem_megatron.host_tables.store import HostTableStore
 
-    backward_one_step = _harness()
+    harness = _harness()
     store = HostTableStore([1, 2], V, COLS, init_std=0.02, seed=0, resident_rows=SLOTS, optimizer=optimizer,
                            micro_batch_tokens=TOKENS, micro_batches=1, compute_dtype=torch.bfloat16)
-    store.resident.slot_adam.kernel = "fused"
+    store.tier.ws.optimizer.kernel = "fused"
     lanes = Lanes() if on_lanes else None
     if lanes is not None:
         lanes.install()
         Audit(lanes).__enter__()
         _on_lanes(store, lanes)
     draw = lambda step: torch.randint(0, V, (1, TOKENS), generator=torch.Generator().manual_seed(step))  # noqa: E731
-
-    def preload(step):
-        enter_host_thread(1, store.resident.device)
-        store.preload(torch.unique(draw(step)))
-
     moved = {"stem_rows_entered_ahead": 0, "stem_rows_entered_staged": 0, "stem_rows_left": 0}
-    ahead = threading.Thread(target=preload, args=(1,))
-    ahead.start()
-    ahead.join()
-    store.admit(torch.unique(draw(1)))
-    for step in range(1, STEPS + 1):
-        ahead = threading.Thread(target=preload, args=(step + 1,))  # as the prefetch thread announces the next step
-        ahead.start()
-        backward_one_step(store, draw(step))
-        ahead.join()
-        store.step(1e-2, torch.unique(draw(step + 1)))
-        stats = store.take_stats()
-        for key in moved:
-            moved[key] += stats[key]
+    with store.stream(harness.token_batches(draw, STEPS), 1) as rows:
+        for _ in range(STEPS):
+            harness.backward_one_step(rows, store)
+            rows.step(1e-2)
+            stats = store.take_stats()
+            for key in moved:
+                moved[key] += stats[key]
     store.settle()
-    tables = {(layer, kind): (store.table(layer) if kind == "master" else getattr(store, kind)[layer]).float().clone()
+    state = store.record.state
+    tables = {(layer, kind): (store.table(layer) if kind == "master" else state.kind(kind)[layer]).float().clone()
               for layer in store.layers for kind in ("master", "exp_avg", "exp_avg_sq")}
     audited = {"reports": [str(r) for r in lanes.reports], "lanes": len(lanes.busy)} if lanes is not None else {}
     return {**audited, "moved": moved, "tables": tables}

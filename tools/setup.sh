@@ -135,7 +135,7 @@ fi
 # DeepSpeed's CPU Adam (the host tables' optimizer) compiles on first use, for minutes: build it now, where the
 # Makefile and slurm/_launch.sh look for it
 export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$(cd "$VENV" && pwd)/torch_extensions}
-"$VENV/bin/python" -W ignore -c 'from stem_megatron.host_tables.row_adam import RowAdam; RowAdam((0.9, 0.95), 1e-8, 0)'
+"$VENV/bin/python" -W ignore -c 'from stem_megatron.host_tables.row_optimizer import RowAdam; RowAdam((0.9, 0.95), 1e-8, 0)'
 
 if $demo_corpus; then
   "$VENV/bin/python" -m stem_megatron.data.corpus --out data_cache/python-doc

@@ -138,8 +138,7 @@ def load(path: Path, manifest: dict, cfg: RunConfig, trainer, detector) -> int:
     dense.load(trainer.model, trainer.optimizer, path / "dense", manifest["step"])
     step = train_state.load(path, trainer.scheduler, detector, manifest["layout"], layout)
     if trainer.store is not None:
-        host_tables.load(trainer.store, path / "stem")
-        trainer.store.restore_step(step)
+        host_tables.load(trainer.store, path / "stem", steps_done=step)
     dist.barrier()
     return step
 

@@ -67,7 +67,7 @@ def check_transformer_engine() -> tuple[str, str]:
 
 
 def check_cpu_adam() -> tuple[str, str]:
-    from stem_megatron.host_tables.row_adam import RowAdam
+    from stem_megatron.host_tables.row_optimizer import RowAdam
 
     RowAdam((0.9, 0.95), 1e-8, 0.0)  # loads the op as training does, building it on first use
     return OK, f"loads (built in {os.environ.get('TORCH_EXTENSIONS_DIR', '~/.cache/torch_extensions')})"

@@ -7,7 +7,7 @@ the rows the node owns (2 x ``[tp, owned, d_ff/tp]``, owned = the node's range o
 the N nodes its DP group spans), with bf16 copies also their fp32 master rows (``[tp, owned, d_ff/tp]``):
 exactly the files ``node.shared_tensors`` creates. Per rank: the process (python, torch, megatron, DeepSpeed's
 op, gloo, datasets; measured), the row gradients CPU Adam reads, and on GPU the pinned memory the store reserves
-before step 1 (``host_tables/pinned.py``, the same functions), block by block as torch pins it (each rounded up to
+before step 1 (``host_tables/transfer.py``, the same functions), block by block as torch pins it (each rounded up to
 a power of two, ``pinned_block_bytes``): the staging slots fetched rows pass through (two fetches' rows, in bf16,
 and their indices) and one landing buffer per layer for the row gradients the rank updates, both at the ids'
 bound; with a working set (``stem.resident_rows``) no gradient lands, and its entering and leaving rows' staging
@@ -43,7 +43,7 @@ from stem_megatron.flops.arch import FlopsError
 from stem_megatron.flops.layout import Layout, stage_layers
 from stem_megatron.flops.variants import FFN_MATMULS
 from stem_megatron.host_tables.ownership import RowOwnership
-from stem_megatron.host_tables.pinned import (STAGING_SLOTS, cache_staging_bytes, landing_rows,
+from stem_megatron.host_tables.transfer import (STAGING_SLOTS, cache_staging_bytes, landing_rows,
                                               pinned_block_bytes, staged_bytes, staged_rows, staging_bytes,
                                               working_set_bytes)
 from stem_megatron.layer_plan import planned_layers
@@ -147,7 +147,7 @@ def node_shared_bytes(cfg: RunConfig, layout: Layout, node: int) -> dict[str, in
 
 
 def pinned_bytes(cfg: RunConfig, layout: Layout, stage: tuple[int, int, int, int], layers: int, itemsize: int) -> int:
-    """The pinned bytes the ranks of a stage on a node reserve before step 1 (``host_tables/pinned.py``, the same
+    """The pinned bytes the ranks of a stage on a node reserve before step 1 (``host_tables/transfer.py``, the same
     functions; ``stage``: an entry of ``_node_stages``, ``layers`` its STEM layers, ``itemsize`` a row's as it
     travels), at the ids' bound, each block as torch pins it: a rank's staging slots, and its landing buffers (one
     a layer) or its working set's slots, landing buffers (one a layer and kind of state) and rows staged ahead."""

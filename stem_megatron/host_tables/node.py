@@ -16,15 +16,17 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import sys
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
-from stem_megatron.host_tables.stream_sanitizer import enter_sanitizer
 
 SHM_DIR = "/dev/shm"
+SANITIZER = "torch.cuda._sanitizer"  # imported by torch itself where TORCH_CUDA_SANITIZER is set
+SERIAL_SWITCH_S = 3600.0  # no timed thread switches in a sanitized process
 
 
 @dataclass
@@ -266,3 +268,18 @@ def shared_tensors(
     for name in mine_to_create:
         os.unlink(os.path.join(directory, name))
     return tensors
+
+
+# Torch's CUDA stream sanitizer (``TORCH_CUDA_SANITIZER=1``, docs/gpu.md) checks every kernel's tensor reads and writes
+# against the events recorded and waited between streams: what the working set, the prefetch and the row transfers rely
+# on. It sees only the threads in its dispatch mode, entered by the thread that imports torch, so the prefetch and Adam
+# threads enter it as they start (``enter_host_thread``). Its bookkeeping is Python without a lock, so a sanitized
+# process also stops switching threads on a timer: a thread gives up the interpreter only where it waits or calls into
+# torch, and two threads never interleave inside the bookkeeping.
+def enter_sanitizer() -> None:
+    """A new thread's first call: where the process runs the sanitizer (from the environment, or
+    ``enable_cuda_sanitizer``), this thread's kernels are checked too."""
+    module = sys.modules.get(SANITIZER)
+    if module is not None and module.cuda_sanitizer.enabled:
+        sys.setswitchinterval(SERIAL_SWITCH_S)
+        module.enable_cuda_sanitizer()

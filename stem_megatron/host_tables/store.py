@@ -1,59 +1,50 @@
-"""The host-resident STEM table store of one rank: storage, row fetches, step gradients, updates.
+"""Host-resident STEM tables of one rank: the public face (docs/host_tables.md).
 
-Placement (``ownership.RowOwnership``): every node keeps a copy of each ``U_l`` of this pipeline stage
-(``node.shared_tensors``, TP-major ``[tp, V, d_ff/tp]`` so a TP rank's column slice is one contiguous
-``[V, d_ff/tp]`` block), rows in the ownership permutation's order, fp32 or bf16 (``read_dtype``). Each
-row has one owner node, which keeps the fp32 master row and its Adam moments, in a block of the owner's
-rows ``[tp, V/N, d_ff/tp]``: with fp32 copies the master block is the owned range of the node's copy
-itself, with bf16 copies a block of its own. The other nodes' copies of a row are refreshed from the
-owner just before they are read.
+``build_store`` makes one per rank (a collective): the node's host record of this stage's tables (``row_state``), the
+row exchange across DP ranks and nodes (``exchange``), the row optimizer (``row_optimizer``), and the tier where the
+rows a step reads live, chosen here once: the host tier (``host_tier``: rows fetched from the node's copy and updated
+on the host) or, with ``stem.resident_rows``, the device tier (``device_tier``: a working set of rows with their state
+on the device). Nothing outside this module branches on the tier.
 
-A step, as driven by the training loop and the prefetcher:
-1. ``fetch`` (prefetch thread): rows of a micro-batch's unique ids from the node's copy, which
-   ``refresh`` made current for exactly these ids before the prefetcher was released.
-2. ``begin_step`` and ``register`` (forward of ``HostRowSource``): the compact row tensor whose ``.grad``
-   backward fills, merged into the step's gradients as it does (``step_pipeline.RowGradients``).
-3. ``reduce_gradients``: every layer's gradients at their owners, averaged over DP, on the host; the
-   squared norm for global clipping.
-4. ``step``: CPU Adam on the rows this rank owns, the rows any rank reads next first, then ``refresh``
-   for the next step's ids: rows updated elsewhere that this node reads next are pulled from their owners
-   (rows read in step s+1 reflect step s); the other rows are updated while the next step runs
-   (``step_pipeline.RowUpdates``).
-With a working set (``stem.resident_rows``) the rows a step reads stay on the device with their state instead
-(``working_set.WorkingSet``): steps 1, 3 and 4 read, keep and update them there. At DP > 1 each rank's set holds the
-rows it owns that the group reads next, and the others get them from it (``step_rows.StepRows``).
+The rest of the code uses these verbs only: ``stream`` (the schedule's data iterator with rows: ``pipeline``),
+``rows`` (the forward's row leaf, through ``HostRowSource``), ``settle``, ``refresh``, ``table``, ``owner_table``,
+``load_tables``, ``sharded_state_dict`` and ``restore`` (checkpoints, export, ``stem-edit``), ``take_stats``.
 """
 
 from __future__ import annotations
 
-import secrets
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from megatron.core import parallel_state
+from megatron.core.dist_checkpointing import ShardedTensor
+from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_block import get_num_layers_to_build
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
 from stem_megatron.config import RunConfig
-from stem_megatron.host_tables.cache import HotRowCache
+from stem_megatron.host_tables.device_tier import DeviceTier
 from stem_megatron.host_tables.exchange import DTYPES, RowExchange
-from stem_megatron.host_tables.node import SHM_DIR, host_threads, node_layout, shared_tensors
+from stem_megatron.host_tables.host_tier import HostTier, HotRowCache
+from stem_megatron.host_tables.node import SHM_DIR, host_threads, node_layout
 from stem_megatron.host_tables.ownership import RowOwnership
-from stem_megatron.host_tables.pinned import cache_staging_bytes, landed, landing_rows, staging_bytes
-from stem_megatron.host_tables.resident_step import ResidentRows
-from stem_megatron.host_tables.row_adam import RowAdam
-from stem_megatron.host_tables.step_pipeline import RowGradients, RowUpdates
-from stem_megatron.host_tables.transfer import HostToDevice, PrefetchedRows, fetch_rows, travel_dtype
-from stem_megatron.host_tables.whole_tables import WholeTables
+from stem_megatron.host_tables.pipeline import RowGradients, RowPipeline, RowUpdates
+from stem_megatron.host_tables.row_optimizer import RowAdam, RowOptimizer
+from stem_megatron.host_tables.row_state import HostRecord
+from stem_megatron.host_tables.transfer import (HostToDevice, PrefetchedRows, cache_staging_bytes, landing_rows,
+                                                staging_bytes, travel_dtype)
 from stem_megatron.layer_plan import planned_layers
 from stem_megatron.model.device_table import table_init_std
+from stem_megatron.model.stem_rows import RowOrder
+from stem_megatron.model.token_context import MicroBatchTokens
 
-MOMENTS = ("exp_avg", "exp_avg_sq")
+CHECKPOINT_KINDS = ("weight", "exp_avg", "exp_avg_sq")  # a checkpoint's: the fp32 master rows and both moments
 
 
-class HostTableStore(WholeTables, ResidentRows):
+class HostTableStore:
     def __init__(
         self,
         layers: list[int],
@@ -79,267 +70,146 @@ class HostTableStore(WholeTables, ResidentRows):
         resident_rows: int = 0,
     ):
         """Collective over the world (node and exchange groups and the shared tables are created here).
-        ``micro_batch_tokens`` (b * s) and ``micro_batches`` (a step's, per DP rank) size the pinned staging
-        and landing buffers on GPU before the first step (``pinned``; 0: sized by the first steps).
-        ``resident_rows``: the working set's slots a layer (0: none, rows fetched from the host every step)."""
+        ``micro_batch_tokens`` (b * s) and ``micro_batches`` (a step's, per DP rank) size the pinned staging and
+        landing buffers on GPU before the first step (0: sized by the first steps). ``resident_rows``: the working
+        set's slots a layer (the device tier; 0: the host tier)."""
         if optimizer not in ("lazy", "dense"):
             raise ValueError(f"stem.optimizer must be 'lazy' or 'dense', got {optimizer!r}")
         self.layers = list(layers)  # global 1-based layer numbers of this stage's STEM layers
-        self.vocab_size, self.d_ff, self.mode = vocab_size, d_ff, optimizer
-        self.tp = parallel_state.get_tensor_model_parallel_world_size()
-        self.tp_rank = parallel_state.get_tensor_model_parallel_rank()
-        self.cols = d_ff // self.tp
+        self.vocab_size, self.d_ff = vocab_size, d_ff
         self.device = device or torch.device("cpu")
-        self.dp_group = parallel_state.get_data_parallel_group()
-        self.node = node_layout(dist.get_process_group_ranks(self.dp_group),
-                                planning=bool(resident_rows))  # (``plan_ahead``)
-        n = self.node
-        self.own = RowOwnership(vocab_size, n.dp_nodes, n.dp_node, len(n.local_dp_peers), n.peer_index)
-        self.exchange = RowExchange(self.own, n, self.device, wire_dtype)
-        run_id = [secrets.token_hex(6) if dist.get_rank() == 0 else None]
-        dist.broadcast_object_list(run_id, src=0)
-        self.read_dtype = DTYPES[read_dtype]
-        own, fp32 = self.own.owned_rows, torch.float32
-        specs = {"weight": (vocab_size, self.read_dtype), "exp_avg": (own, fp32), "exp_avg_sq": (own, fp32)}
-        if self.read_dtype != fp32:
-            specs["master"] = (own, fp32)
-        self._names = {(layer, kind): f"stem-{run_id[0]}-n{n.node}-L{layer}-{kind}"
-                       for layer in self.layers for kind in specs}
-        by_name = {name: key for key, name in self._names.items()}
-
-        def init(name: str, tensor: torch.Tensor) -> None:
-            layer, kind = by_name[name]
-            if kind in ("weight", "master"):
-                self._init_table(tensor, layer, seed, init_std, owned=kind == "master")
-            # moments: tmpfs pages start at zero
-
-        shared = shared_tensors({name: ((self.tp, specs[kind][0], self.cols), specs[kind][1])
-                                 for (_, kind), name in self._names.items()}, n.group, init, directory=shm_dir,
-                                host_memory_gib=host_memory_gib)
-        self.full = {key: shared[name] for key, name in self._names.items()}  # [tp, rows, cols], node-shared
-        self.weight = {layer: self.full[layer, "weight"][self.tp_rank] for layer in self.layers}  # position order
-        self.master = {layer: self.full[layer, "master"][self.tp_rank] if "master" in specs
-                       else self.weight[layer][self.own.lo:self.own.hi] for layer in self.layers}
-        self.exp_avg = {layer: self.full[layer, "exp_avg"][self.tp_rank] for layer in self.layers}
-        self.exp_avg_sq = {layer: self.full[layer, "exp_avg_sq"][self.tp_rank] for layer in self.layers}
-        # rows of my class in my node's copy that equal their owner's (rows my node owns always do)
-        self.current = torch.ones(vocab_size, dtype=torch.bool)
-        self.adam = RowAdam(betas, eps, weight_decay)
-        self.cache = HotRowCache(cache_rows, vocab_size, self.device)
-        travel = travel_dtype(self.read_dtype, compute_dtype)
-        step_ids = dist.get_world_size(self.dp_group) * min(vocab_size, micro_batches * micro_batch_tokens)
-        moving = min(resident_rows, landing_rows(self.own, step_ids))  # rows entering the working set at once
-        self._init_resident(resident_rows, optimizer, travel, moving, micro_batch_tokens)
-        travel = travel.itemsize
-        rows = min(vocab_size, micro_batch_tokens)  # distinct ids of a micro-batch, at most
-        slot_bytes = max(staging_bytes(len(self.layers), rows, self.cols, travel, micro_batch_tokens) if rows else 0,
-                         cache_staging_bytes(self.cache.capacity, self.cols, travel))
-        self.h2d = HostToDevice(self.device, dtype=compute_dtype, slot_bytes=slot_bytes)
-        self._row_bytes = self.cols * travel  # as rows travel
-        self.steps_done = 0
-        self.grads = RowGradients(self.layers, self.cols, self.exchange, self.dp_group, self.device, overlap,
-                                  landing_rows=landing_rows(self.own, step_ids), to_host=self.resident is None)
+        dp_group = parallel_state.get_data_parallel_group()
+        dp = dist.get_world_size(dp_group)
+        node = node_layout(dist.get_process_group_ranks(dp_group), planning=bool(resident_rows))  # (``plan_ahead``)
+        self.own = RowOwnership(vocab_size, node.dp_nodes, node.dp_node, len(node.local_dp_peers), node.peer_index)
+        self.exchange = RowExchange(self.own, node, self.device, wire_dtype)
+        self.record = HostRecord(self.layers, vocab_size, d_ff, init_std, seed, node, self.own, DTYPES[read_dtype],
+                                 shm_dir, host_memory_gib)
+        self.tp_rank, self.cols, self.read_dtype = self.record.tp_rank, self.record.cols, self.record.read_dtype
+        self.counters = _new_counters()  # this step's, added to by the tier and the pipeline
         self.updates = RowUpdates(overlap_update, host_threads(self.device), self.device)
-        self._grads: dict = {}  # layer -> (ids, gradients, copy event) of the step, on the host
-        self._aside: dict = {}  # layer -> the later part's gradients, out of the landing buffer (``_set_aside``)
-        self._stats = self._new_stats()
-
-    def restore_step(self, steps_done: int) -> None:
-        """After loading a checkpoint (every node holds every row): continue the Adam step count."""
-        self.settle()
-        self.steps_done = steps_done
-        self.current.fill_(True)
-        self.drop_resident()
-        self.cache.choose(steps_done)
-        self._reload_cache()
-
-    def settle(self) -> None:
-        """Wait for the last step's CPU Adam (``step_pipeline.RowUpdates``) here and on this rank's DP peers on
-        the node (their rows share its copy of this TP block): call before reading tables or moments whole.
-        Collective over those peers (``node.local``), not the node: other TP ranks and stages need not call it.
-        With a working set, its rows' state is written back first."""
-        self.updates.settle()
-        if self.resident is not None:
-            self.resident.write_back()
-        if self.node.local is not None:
-            dist.barrier(self.node.local)
+        travel = travel_dtype(self.read_dtype, compute_dtype)
+        step_ids = dp * min(vocab_size, micro_batches * micro_batch_tokens)
+        rows = min(vocab_size, micro_batch_tokens)  # distinct ids of a micro-batch, at most
+        cache = HotRowCache(cache_rows, vocab_size, self.device)
+        slot_bytes = max(staging_bytes(len(self.layers), rows, self.cols, travel.itemsize, micro_batch_tokens)
+                         if rows else 0, cache_staging_bytes(cache.capacity, self.cols, travel.itemsize))
+        self.h2d = HostToDevice(self.device, dtype=compute_dtype, slot_bytes=slot_bytes)
+        self.optimizer = RowOptimizer(RowAdam(betas, eps, weight_decay), "rows", self.device,
+                                      dense=optimizer == "dense")  # the host's rows (a working set: a twin of its own)
+        parts = (self.record, self.exchange, self.optimizer, self.updates, self.counters, self.h2d)
+        if resident_rows:
+            moving = min(resident_rows, landing_rows(self.own, step_ids))  # rows entering the working set at once
+            self.tier = DeviceTier(*parts, resident_rows, travel, moving, micro_batch_tokens, dp)
+        else:
+            self.tier = HostTier(*parts, cache)
+        self.grads = RowGradients(self.layers, self.cols, self.exchange, dp_group, self.device, overlap,
+                                  landing_rows=landing_rows(self.own, step_ids), to_host=not resident_rows)
+        self.steps_done = 0
 
     @property
     def host_bytes(self) -> int:
         """Bytes of host memory this rank's node holds for this stage's tables and moments."""
-        return sum(t.numel() * t.element_size() for t in self.full.values())
+        return self.record.host_bytes
 
-    # ---- prefetch side (background thread) ----
-    def fetch(self, tokens: torch.Tensor, step_ids: Optional[torch.Tensor] = None,
-              training: bool = True) -> PrefetchedRows:
-        """Rows ``U_l[unique ids, my columns]`` of every local STEM layer for a micro-batch's ``tokens``,
-        on their way to the compute device (``transfer.fetch_rows``); training passes the ``step_ids``
-        (sorted) of the micro-batch's step, and with a working set gets the rows' slots there instead (at DP > 1
-        their positions among the step's rows received from the owners)."""
-        if training and self.resident is not None and step_ids is not None:
-            return self.resident.fetch(tokens, step_ids, by_position=self.step_rows is not None)
-        prefetched, hit = fetch_rows(tokens, self.vocab_size, self.weight, self.cache, self.h2d,
-                                     at=self.own.position, step_ids=step_ids)
-        uniq, misses = prefetched.uniq.numel(), int((~hit).sum())
-        row_bytes = self._row_bytes
-        prefetched.fetched.stats.update(
-            unique_tokens=uniq, rows_fetched=misses * len(self.layers),
-            bytes_to_device=misses * row_bytes * len(self.layers),
-            cache_hits=uniq - misses, cache_lookups=uniq if self.cache.ids.numel() else 0)
-        return prefetched
+    # ---- a training run's side ----
+    def stream(self, batches: Iterator[dict], micro_batches: int, depth: int = 2, training: bool = True
+               ) -> RowPipeline:
+        """``batches`` with their rows attached, ``micro_batches`` a step (``pipeline.RowPipeline``: a context
+        manager, the schedule's data iterator and, in training, the step's end, ``RowPipeline.step``)."""
+        return RowPipeline(batches, self, micro_batches, depth, training)
 
-    # ---- training side ----
-    def count(self, stats: dict) -> None:
-        """Add a consumed micro-batch's fetch counters to this step's metrics (training thread)."""
-        for key, value in stats.items():
-            self._stats[key] += value
+    def rows(self, layer: int, prefetched: PrefetchedRows) -> torch.Tensor:
+        """(forward) A micro-batch's rows of ``layer`` (its distinct ids x this rank's columns, fp32); with gradients
+        enabled a leaf whose gradient backward fills and the pipeline takes to the rows' owners."""
+        rows = self.tier.read(layer, prefetched)
+        if torch.is_grad_enabled():
+            rows = rows.detach().requires_grad_()
+            self.grads.track(layer, prefetched.in_step, rows)
+        return rows
 
-    def begin_step(self, micro_batches: int, ids: torch.Tensor) -> None:
-        """A training step of ``micro_batches`` that reads the sorted ``ids`` (the prefetcher's announcement)
-        starts."""
-        planned, self._planned = self._planned, None
-        plan = planned[1] if planned is not None and torch.equal(planned[0], ids) else None
-        self.grads.begin(ids, micro_batches, plan)
-
-    def register(self, layer: int, prefetched: PrefetchedRows, rows: torch.Tensor) -> None:
-        """A micro-batch's compact rows (its distinct ids x columns) whose ``.grad`` backward fills."""
-        self.grads.track(layer, prefetched.in_step, rows)
-
-    def reduce_gradients(self) -> torch.Tensor:
-        """Every layer's gradients at their owners (DP-averaged, landing on the host); returns the squared
-        norm of the STEM gradients summed over DP, TP and PP (each row counted once)."""
-        self._grads, sq = self.grads.reduce()
-        return sq
-
-    def scale_gradients(self, coef: float) -> None:
-        for _, grads, event in self._grads.values():
-            landed(event)
-            grads.mul_(coef)
-
-    def step(self, lr: float, next_ids: torch.Tensor) -> None:
-        """CPU Adam on the rows this rank owns, then ``refresh`` for ``next_ids`` (the ids this rank reads
-        in the next step) and the hot-row cache. Rows any rank of the DP group reads next are updated before
-        the refresh; the others after it, beside the next step (``stem.overlap_update``)."""
-        self.updates.settle()  # this rank's rows and moments: no other rank writes them
-        step = self.steps_done + 1
-        if self.resident is not None:
-            return self._step_resident(step, lr, next_ids)
-        self.cache.choose(step)
-        reads = torch.cat([next_ids, self.cache.ids])
-        read_next = self._read_next(reads)
-        first, rest, updated = [], [], torch.empty(0, dtype=torch.int64)
-        if self.mode == "dense":  # every row this rank owns, the same for every layer
-            rows = self.own.my_local()
-            now = read_next[self.own.ids_at(self.own.lo + rows)]
-        for layer in self.layers:
-            ids, grads, event = self._grads.pop(layer, (torch.empty(0, dtype=torch.int64),
-                                                        torch.empty(0, self.cols), None))
-            landed(event)
-            updated = torch.unique(torch.cat([updated, ids]))
-            local, read = self.own.local(ids), read_next[ids]
-            order = torch.argsort(local + (~read) * self.vocab_size)  # rows read next first, each part by row
-            local, k = local[order], int(read.sum())  # the gradients stay as they landed: ``order`` finds them
-            if self.mode == "dense":  # zero gradients for the untouched ones
-                first.append((layer, rows[now], local[:k], grads, order[:k]))
-                rest.append((layer, rows[~now], local[k:], grads, order[k:]))
-            else:
-                first.append((layer, local[:k], local[:k], grads, order[:k]))
-                rest.append((layer, local[k:], local[k:], grads, order[k:]))
-            self._stats["rows_updated"] += first[-1][1].numel() + rest[-1][1].numel()
-            self._stats["rows_updated_later"] += rest[-1][1].numel()
-
-        def update(parts) -> None:
-            for layer, rows, local, grads, at in parts:
-                self._update(step, lr, layer, rows, local, grads, at)
-
-        def update_now() -> None:
-            """The first part, then the rest's gradients out of the landing buffers (the next step's land there)
-            into buffers kept from step to step, on the same thread and its cores: the first part reads them where
-            they landed, with no copy."""
-            update(first)
-            rest[:] = [(layer, rows, local, self._set_aside(layer, grads, at), None)
-                       for layer, rows, local, grads, at in rest]
-
-        self.updates.now(update_now)
-        self.steps_done = step
-        if self.layers:
-            if self.mode == "dense":
-                self.current.fill_(False)  # every row changed (the owned ones are never asked for)
-            else:
-                self.current[self.exchange.updated_elsewhere(updated)] = False
-        self.refresh(reads)
-        self._reload_cache()
-        self.updates.later(lambda: update(rest))
-
-    def _read_next(self, ids: torch.Tensor) -> torch.Tensor:
-        """Over token ids: True where any rank of the DP group reads the row in the next step (every row
-        without ``stem.overlap_update``: one part, the serial order). Collective over the DP group."""
-        if not self.updates.overlapped:
-            return torch.ones(self.vocab_size, dtype=torch.bool)
-        return self.exchange.read_anywhere(ids, self.vocab_size)
-
-    def _set_aside(self, layer: int, grads: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
-        """``grads[at]`` in this layer's buffer for the later part, grown when too small (a fresh tensor each step
-        would fault its pages in on the step's path)."""
-        buffer = self._aside.get(layer)
-        if buffer is None or buffer.shape[0] < at.numel():
-            buffer = self._aside[layer] = torch.empty(at.numel(), self.cols)
-        return torch.index_select(grads, 0, at, out=buffer[:at.numel()])
-
-    def _update(self, step: int, lr: float, layer: int, rows, local, grads, at) -> None:
-        """AdamW on rows ``rows`` (sorted, of the node's master block) of ``layer``: gradient ``grads[at[i]]``
-        for ``local[i]`` (sorted, among ``rows``), zero for the others (dense mode), without a tensor of those
-        zeros (V x cols a step)."""
-        if rows.numel() == 0:
-            return
-        table = self.master[layer], self.exp_avg[layer], self.exp_avg_sq[layer]
-        self.adam.update_rows(step, lr, local, grads, *table, grad_rows=at)
-        if rows.numel() != local.numel():
-            untouched = torch.ones(rows.numel(), dtype=torch.bool)
-            untouched[torch.searchsorted(rows, local)] = False
-            self.adam.update_untouched_rows(step, lr, rows[untouched], *table)
-        if self.read_dtype != torch.float32:  # the node's copy of its own rows, rounded
-            self.weight[layer][self.own.lo + rows] = self.master[layer][rows].to(self.read_dtype)
+    # ---- the tables whole ----
+    def settle(self) -> None:
+        """Wait for the last step's CPU Adam here and on this rank's DP peers on the node (their rows share its copy of
+        this TP block), the device tier's rows written back first: call before reading tables or moments whole.
+        Collective over those peers (``node.local``), not the node: other TP ranks and stages need not call it."""
+        self.updates.settle()
+        self.tier.write_back()
+        if self.record.node.local is not None:
+            dist.barrier(self.record.node.local)
 
     def refresh(self, ids: torch.Tensor) -> None:
-        """Make this node's copy of rows ``ids`` (any DP peer on the node may ask for its own) equal the
-        owners' rows. Collective over the world's ranks of this stage's DP group and the node."""
-        if self.resident is not None:  # its rows written back: this reads the host copy
-            self.settle()
-        else:
-            self.updates.settle()  # the peers' too before anyone reads: the barrier below
-        if self.layers:
-            need = self.exchange.node_needs(ids)
-            stale = need[~self.current[need] & (self.own.owner(need) != self.own.node)]
-            self.exchange.pull(stale, [self.weight[layer] for layer in self.layers])
-            self.current[stale] = True
-            self._stats["rows_pulled"] += stale.numel()
-        dist.barrier(self.node.group)  # every peer's pulled rows are in the node's copy before anyone reads
+        """Make this node's copy of rows ``ids`` equal the owners' rows. Collective over the world's ranks of this
+        stage's DP group and the node."""
+        self.settle()
+        self.counters["rows_pulled"] += self.record.pull(ids, self.exchange)
 
-    def _reload_cache(self) -> None:
-        """Re-read the hot rows (the step changed nearly all of them), on the side stream the next fetch reads
-        them on."""
-        self.cache.reload(self.weight, self.h2d, self.own.position)
+    def table(self, layer: int) -> torch.Tensor:
+        """``U_l`` as a V x d_ff fp32 matrix from this node's copy, by token id; current where ``refresh`` made it so.
+        Collective over the TP group: every TP rank's block is settled before any is read."""
+        self.settle()
+        if self.record.tp > 1:
+            dist.barrier(parallel_state.get_tensor_model_parallel_group())
+        return self.record.table(layer)
+
+    def owner_table(self, layer: int) -> Optional[torch.Tensor]:
+        """``U_l`` as a V x d_ff matrix of the owners' fp32 master rows, on DP rank 0 (None elsewhere); a collective
+        over the first peers of this DP group's nodes (every TP rank settles its block first: ``export.writer``)."""
+        self.settle()
+        return self.record.owner_table(layer)
+
+    def load_tables(self, tables: dict[int, torch.Tensor]) -> None:
+        """Overwrite this rank's column block of each ``U_l`` from V x d_ff matrices by token id (node collective)."""
+        self.settle()
+        self.record.load(tables)
+        self.tier.drop()
+
+    def sharded_state_dict(self, kinds: tuple[str, ...] = CHECKPOINT_KINDS, loading: bool = False) -> dict:
+        """``{key: megatron ShardedTensor}`` of this node's rows of each kind, in the ownership permutation's order
+        (row p holds token id ``ids_at(p)``; the fp32 masters for ``weight``): each node its range, each TP rank its
+        column block. Loading: on the node's first DP peer only (the peers share the node's memory), straight into the
+        node's copy with fp32 copies; then ``restore``."""
+        record = self.record
+        if loading and record.node.peer_index != 0:
+            return {}
+        out = {}
+        for layer in self.layers:
+            for kind in kinds:
+                block, row = record.sharded(kind, layer, loading)
+                out[f"L{layer}.{kind}"] = ShardedTensor(
+                    f"stem.L{layer}.{kind}.by_owner", block, block.dtype, tuple(block.shape),
+                    (self.vocab_size, self.d_ff), (row, self.tp_rank * self.cols),
+                    axis_fragmentations=None, replica_id=record.node.peer_index)  # uneven ranges: DCP reshards
+        return out
+
+    def restore(self, steps_done: Optional[int] = None) -> None:
+        """After a checkpoint's rows were loaded into ``sharded_state_dict(loading=True)``'s tensors: every node's copy
+        from the owners' rows (bf16 copies: a checkpoint holds fp32 masters only), and to resume, the Adam step count
+        ``steps_done`` (None: a new run from the checkpoint's tables). Collective over the world."""
+        dist.barrier(self.record.node.group)
+        self.tier.drop()
+        if self.record.copies_from_masters():
+            self.refresh(torch.arange(self.vocab_size))
+        if steps_done is not None:
+            self.settle()
+            self.steps_done = steps_done
+            self.record.current.fill_(True)
+            self.tier.drop(steps_done)
 
     # ---- metrics ----
-    @staticmethod
-    def _new_stats() -> dict:
-        return dict(unique_tokens=0, rows_fetched=0, bytes_to_device=0, rows_updated=0, rows_updated_later=0,
-                    rows_pulled=0, cache_hits=0, cache_lookups=0)
-
     def take_stats(self) -> dict:
-        """This step's counters (prefixed ``stem_``), reset for the next step: ``stem_bytes_sent`` by this
-        rank to its DP peers anywhere; ``stem_node_*`` for this rank's node in total (bytes sent to and
-        received from other nodes, table rows Adam updated, each layer counted), a collective over the node."""
-        stats, self._stats = self._stats, self._new_stats()
-        parts = (self.grads, self.updates, self.resident, self.step_rows, self.later_decay)
-        for part in [p for p in parts if p is not None]:
+        """This step's counters (prefixed ``stem_``), reset for the next step: ``stem_bytes_sent`` by this rank to its
+        DP peers anywhere; ``stem_node_*`` for this rank's node in total (bytes sent to and received from other nodes,
+        table rows Adam updated, each layer counted), a collective over the node."""
+        stats = dict(self.counters)
+        self.counters.update(_new_counters())
+        for part in (self.grads, self.updates, *self.tier.parts):
             stats.update(part.stats)
             part.stats = part.new_stats()
         wire, self.exchange.stats = self.exchange.stats, self.exchange.new_stats()
-        node = torch.tensor([wire["inter_node_sent"], wire["inter_node_received"], stats.pop("rows_updated") / self.tp],
-                            dtype=torch.float64)
-        dist.all_reduce(node, group=self.node.group)
+        node = torch.tensor([wire["inter_node_sent"], wire["inter_node_received"],
+                             stats.pop("rows_updated") / self.record.tp], dtype=torch.float64)
+        dist.all_reduce(node, group=self.record.node.group)
         hits, lookups = stats.pop("cache_hits"), stats.pop("cache_lookups")
         out = {f"stem_{k}": v for k, v in stats.items()}
         out.update(stem_bytes_sent=wire["bytes_sent"], stem_node_bytes_sent=int(node[0]),
@@ -348,6 +218,57 @@ class HostTableStore(WholeTables, ResidentRows):
         out["stem_cache_hit_rate"] = hits / lookups if lookups else None
         out["stem_host_table_bytes"] = self.host_bytes
         return out
+
+
+def _new_counters() -> dict:
+    """A step's fetch counters (the prefetch thread's, counted as the schedule takes each micro-batch) and rows
+    updated, later, and pulled across nodes."""
+    return dict(unique_tokens=0, rows_fetched=0, bytes_to_device=0, rows_updated=0, rows_updated_later=0,
+                rows_pulled=0, cache_hits=0, cache_lookups=0)
+
+
+class HostRowSource(MegatronModule):
+    """The row source of a STEM layer whose ``U_l`` lives in host memory (the layer spec's ``row_source``).
+
+    It holds no parameters. It takes the rows fetched for this micro-batch (unique ids x this TP rank's columns) from
+    its store (``HostTableStore.rows``, or inference's read-only tables). ``compact`` hands the STEM layer those rows
+    with each token's position among them and the order the prefetch sorted the tokens in, for
+    ``model.stem_rows.silu_times_rows``; ``forward`` expands the rows to tokens (the variants that add to or gate with
+    the rows). Either way backward adds into the compact leaf (in fp32), so only touched rows carry a gradient."""
+
+    def __init__(self, config: TransformerConfig, vocab_size: int, store):
+        super().__init__(config=config)
+        if vocab_size != store.vocab_size:
+            raise ValueError(f"STEM layer vocab_size {vocab_size} != host store vocab_size {store.vocab_size}")
+        self.store = store
+        self.layer_number: int | None = None
+
+    def set_layer_number(self, layer_number: int) -> None:
+        if layer_number not in self.store.layers:
+            raise ValueError(f"layer {layer_number} has no table in the host store (has {self.store.layers})")
+        self.layer_number = layer_number
+
+    def compact(self, tokens: MicroBatchTokens) -> tuple[torch.Tensor, torch.Tensor, Optional[RowOrder]]:
+        """(the rows fetched for ``tokens``, ``[u, d_ff/tp]`` fp32; each token's row, ``[s, b]``; the tokens' order by
+        row, or None where the fetch computed none)."""
+        prefetched, rows = self._rows(tokens)
+        return rows, prefetched.inverse.t(), prefetched.order
+
+    def forward(self, tokens: MicroBatchTokens) -> torch.Tensor:
+        """The rows fetched for ``tokens`` as [s, b, d_ff/tp]."""
+        prefetched, rows = self._rows(tokens)
+        # Gather in fp32, then cast to the model's dtype (bf16 on GPU): the backward of the gather adds the gradients
+        # of a token's repeats in fp32 into the fp32 compact leaf (gathering bf16 rows would add them in bf16)
+        return F.embedding(prefetched.inverse.t(), rows).to(self.config.params_dtype)
+
+    def _rows(self, tokens: MicroBatchTokens) -> tuple[PrefetchedRows, torch.Tensor]:
+        prefetched = tokens.rows
+        if prefetched is None:
+            raise RuntimeError("a host-resident STEM layer ran without fetched rows: read the batches through "
+                               "HostTableStore.stream (training) or pass the rows of the read-only tables' fetch to "
+                               "token_ids (inference)")
+        prefetched.wait()
+        return prefetched, self.store.rows(self.layer_number, prefetched)
 
 
 def build_store(cfg: RunConfig, tconfig: TransformerConfig, device: torch.device) -> HostTableStore:

@@ -15,7 +15,7 @@ estimate). With a working set (``stem.resident_rows``) every STEM layer keeps sl
   on a side stream, landed by the Adam thread beside the next step. The entering rows are loaded ahead, while the
   step before runs (``preload``, called by the prefetch thread as it announces a step; with dense Adam only until
   that step's update begins, each row once its host decay of the last step is done: ``later_decay``). Those
-  that find no free slot then are gathered then (``staged_rows.StagedRows``), copied at ``admit`` and put in place
+  that find no free slot then are gathered then (``row_state.StagedRows``), copied at ``admit`` and put in place
   by each layer's first reader (dense Adam: with the step's decay, which they missed).
 
 On GPU the slots' tensors are the compute stream's alone, whichever thread issues the work: the side streams copy
@@ -25,39 +25,29 @@ the next step's), but torch's CUDA sanitizer keys an access by the tensor, not b
 slots while the compute stream reads others is a race to it (issue 51; tests/test_working_set_streams.py checks this).
 
 The host tables stay the record of every row not resident; ``write_back`` makes them whole for a reader of the
-tables (``store.settle``: checkpoints, export, validation). The update keeps today's semantics (``slot_adam``:
+tables (``store.settle``: checkpoints, export, validation). The update keeps today's semantics (``row_optimizer``:
 DeepSpeed's kernel on CPU, bitwise today's values; torch's fused AdamW on GPU, within fp32 rounding).
 
 At DP > 1 a rank's set holds the rows it owns (``ownership``) that the group's next step reads, and updates them with
-every rank's gradients; the other ranks receive the updated rows (``step_rows.StepRows``).
+every rank's gradients; the other ranks receive the updated rows (``device_tier.StepRows``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Callable, NamedTuple, Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
 
-from stem_megatron.host_tables.host_rows import KINDS, HostRows
-from stem_megatron.host_tables.pinned import DeviceToHost, landed, staged_rows, working_set_bytes
-from stem_megatron.host_tables.row_adam import RowAdam
-from stem_megatron.host_tables.slot_adam import SlotAdam
-from stem_megatron.host_tables.staged_rows import StagedRows
-from stem_megatron.host_tables.transfer import Fetched, HostToDevice, PrefetchedRows, positions_in_step
+from stem_megatron.host_tables.row_optimizer import MissedUpdate, RowOptimizer
+from stem_megatron.host_tables.row_state import KINDS, HostRecord, RowState, StagedRows
+from stem_megatron.host_tables.transfer import (DeviceToHost, Fetched, HostToDevice, PrefetchedRows, landed,
+                                                positions_in_step, staged_rows, working_set_bytes)
 from stem_megatron.model.stem_rows import RowOrder
 
 GROWTH = 1.25  # a set too small for a step's distinct ids grows by at least this factor
-
-
-class MissedUpdate(NamedTuple):
-    """(dense Adam) The update that a step's entering rows, outside the set then, missed: its ``step`` and ``lr``,
-    and ``on_host``, the host's zero-gradient update of sorted ids (``store._update``)."""
-    step: int
-    lr: float
-    on_host: Callable[[torch.Tensor], None]
 
 
 class WorkingSet:
@@ -65,30 +55,30 @@ class WorkingSet:
     slots (-1: not resident) on the host."""
 
     def __init__(self, layers: list[int], capacity: int, vocab_size: int, cols: int, device: torch.device,
-                 travel: torch.dtype, host: HostRows, adam: RowAdam, kernel: Optional[str] = None,
-                 ahead: bool = False, dense: bool = False, moving_rows: int = 0, tokens: int = 0):
-        """``travel``: the dtype the forward reads rows in (``transfer.travel_dtype``); ``kernel``: ``rows``
-        (DeepSpeed's, on CPU) or ``fused`` (torch's fused AdamW, on GPU); default by device. ``ahead``: entering
-        rows load during the step before theirs (``preload``). ``dense``: the recipe's dense Adam, where every row
-        changes every step: ``update`` covers every resident slot, and rows load ahead only until the step before
-        begins its update (``begin_update``).
+                 travel: torch.dtype, host: HostRecord, optimizer: RowOptimizer, ahead: bool = False,
+                 moving_rows: int = 0, tokens: int = 0):
+        """``travel``: the dtype the forward reads rows in (``transfer.travel_dtype``); ``host``: the record rows enter
+        from and leave to (its ``state``, ``local`` and ``write``); ``optimizer``: the slots' (``rows`` kernel on CPU,
+        ``fused`` on GPU). ``ahead``: entering rows load during the step before theirs (``preload``). With dense Adam
+        (``optimizer.dense``) every row changes every step: ``update`` covers every resident slot, and rows load ahead
+        only until the step before begins its update (``begin_update``).
         ``moving_rows``: the most rows that enter or leave at once (at most a step's, or the capacity), whose pinned
         staging and landing are reserved here (GPU; ``tokens``: a micro-batch's, whose indices a fetch stages), and
-        the rows staged ahead's (``pinned.staged_rows``; 0: by the capacity)."""
+        the rows staged ahead's (``transfer.staged_rows``; 0: by the capacity)."""
         self.layers, self.cols, self.device, self.travel = layers, cols, device, travel
         self.host = host
-        self.slot_adam = SlotAdam(adam, kernel or ("fused" if device.type == "cuda" else "rows"), device)
+        self.optimizer = optimizer
         self.slot_of = torch.full((vocab_size,), -1, dtype=torch.int64)
         self.counts = torch.zeros(vocab_size, dtype=torch.int64)  # steps that read each row: who stays when short
         self.ids = torch.empty(0, dtype=torch.int64)  # the id in each slot (-1: free)
-        self.state: dict[int, dict[str, torch.Tensor]] = {layer: {} for layer in layers}
+        self.state = RowState.zeros(layers, 0, cols, device)
         slot, landing = working_set_bytes(moving_rows, cols, tokens) if moving_rows else (0, 0)
         self.h2d = HostToDevice(device, slot_bytes=slot)  # entering state, fp32 as it is on the host
         self.d2h = DeviceToHost(device)  # leaving state
         for layer in layers:
             for kind in KINDS:
                 self.d2h.reserve((layer, kind), landing)
-        self.ahead, self.dense = ahead, dense
+        self.ahead, self.dense = ahead, optimizer.dense
         rows = staged_rows(moving_rows or capacity, len(layers)) if ahead else 0
         self.staged = StagedRows(layers, cols, rows, self.h2d.copies)
         self._arriving: dict[int, tuple] = {}  # (GPU) layer -> its staged rows copied, to put in place (``_arrived``)
@@ -105,16 +95,13 @@ class WorkingSet:
     def new_stats() -> dict:
         """Rows (a layer each) that entered (of them: ahead; at the step's end from ``StagedRows``) and left;
         seconds the training thread spent in the slots' AdamW (on GPU issuing it; on CPU running it: work the device
-        does on a GPU)."""
-        return dict(rows_entered=0, rows_entered_ahead=0, rows_entered_staged=0, rows_left=0, resident_update_s=0.0)
+        does on a GPU); seconds the prefetch thread spent planning and loading rows ahead (``DeviceTier``)."""
+        return dict(rows_entered=0, rows_entered_ahead=0, rows_entered_staged=0, rows_left=0, resident_update_s=0.0,
+                    ahead_s=0.0)
 
     @property
     def capacity(self) -> int:
         return self.ids.numel()
-
-    @property
-    def kernel(self) -> str:
-        return self.slot_adam.kernel
 
     def _grow(self, capacity: int, step_ids: int = 0) -> None:
         """Slots to ``capacity``, keeping the resident rows where they are; ``step_ids``: the distinct ids of the step
@@ -124,24 +111,23 @@ class WorkingSet:
                   f"{self.capacity} to {capacity} rows a layer (set stem.resident_rows to at least that)", flush=True)
         more = capacity - self.capacity
         self.ids = torch.cat([self.ids, torch.full((more,), -1, dtype=torch.int64)])
-        for layer in self.layers:
-            state = self.state[layer]
-            for kind in KINDS:
-                fresh = torch.zeros(more, self.cols, device=self.device)
-                state[kind] = torch.cat([state[kind], fresh]) if kind in state else fresh
+        for kind in KINDS:
+            state = self.state.kind(kind)
+            for layer in self.layers:
+                state[layer] = torch.cat([state[layer], torch.zeros(more, self.cols, device=self.device)])
 
     # ---- the forward's side ----
     def fetch(self, tokens: torch.Tensor, step_ids: torch.Tensor, by_position: bool = False) -> PrefetchedRows:
         """(prefetch thread) A training micro-batch's ids, inverse index, row order and slots on the device; the
         rows themselves are gathered by the forward (``read``), on its stream, after the last update.
         ``by_position``: the "slots" are the ids' positions among the step's (DP > 1: rows received from their
-        owners, ``step_rows.StepRows``)."""
+        owners, ``device_tier.StepRows``)."""
         uniq, inverse = torch.unique(tokens.cpu(), return_inverse=True)
         positions = positions_in_step(step_ids, uniq)
         slots = positions if by_position else self.slot_of[uniq]
         if uniq.numel() and int(slots.min()) < 0:
             raise RuntimeError("a micro-batch reads rows its step did not admit to the working set: fetch with the "
-                               "step's announced ids after store.admit (RowPrefetcher does both)")
+                               "step's announced ids after its admission (HostTableStore.stream does both)")
         with self.h2d.transfer() as send:
             order = RowOrder(*(send.copy(t) for t in RowOrder.of(inverse.t(), uniq.numel())))
             at, inverse = send.copy(slots), send.copy(inverse)
@@ -152,7 +138,7 @@ class WorkingSet:
     def rows(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
         """``layer``'s rows at ``slots`` in the travel dtype: the masters rounded as the host copies a fetch reads."""
         self._arrived(layer)
-        rows = self.state[layer]["master"].index_select(0, slots)
+        rows = self.state.master[layer].index_select(0, slots)
         return rows if self.travel == torch.float32 else rows.to(self.travel)
 
     def read(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
@@ -177,7 +163,8 @@ class WorkingSet:
             resident = self.ids >= 0
             resident[slots] = False
             others = resident.nonzero().squeeze(1)
-        self.slot_adam.update(step, lr, self.state[layer], slots, grads, others)
+        order = torch.argsort(slots)  # the gradients stay in the ids' order: ``order`` finds them
+        self.optimizer.update(step, lr, self.state, layer, slots[order], grads, order, others)
 
     def outside(self, ids: torch.Tensor) -> torch.Tensor:
         """Those of ``ids`` not resident."""
@@ -285,14 +272,14 @@ class WorkingSet:
                 self._in_place(*last)
             if layer is not None:
                 with self.h2d.transfer() as send:
-                    rows = {kind: send.gather(self.host.kind(kind)[layer], local) for kind in KINDS}
+                    rows = {kind: send.gather(self.host.state.kind(kind)[layer], local) for kind in KINDS}
                     at = send.copy(slots)
                 last = (layer, at, rows, send.ready)
         self.slot_of[ids] = slots
         self.ids[slots] = ids
         self.stats["rows_entered"] += ids.numel() * len(self.layers)
 
-    def _enter_staged(self, ids: torch.Tensor, slots: torch.Tensor, rows: dict[int, dict[str, torch.Tensor]],
+    def _enter_staged(self, ids: torch.Tensor, slots: torch.Tensor, rows: RowState,
                       missed: Optional[MissedUpdate]) -> None:
         """Staged rows ``ids`` (``StagedRows.take``'s ``rows``) into ``slots``, then (``missed``) decayed there. On GPU
         copied on the side stream, each layer's end recorded, and put in place (and decayed) on the compute stream by
@@ -302,12 +289,12 @@ class WorkingSet:
         copies = self.h2d.copies
         if copies is None:
             for layer in self.layers:
-                self._in_place(layer, slots, rows[layer], missed=missed)
+                self._in_place(layer, slots, rows.layer(layer), missed=missed)
         else:
             with self.h2d.transfer() as send:  # on the side stream; the slots through its staging
                 at = send.copy(slots)
                 for layer in self.layers:
-                    copied = {kind: copies.to_device(value) for kind, value in rows[layer].items()}
+                    copied = {kind: copies.to_device(value) for kind, value in rows.layer(layer).items()}
                     self._arriving[layer] = (at, copied, copies.record(), missed)
             self.staged.copied = send.ready
         self.slot_of[ids] = slots
@@ -335,9 +322,9 @@ class WorkingSet:
                 for value in (at, *rows.values()):
                     value.record_stream(stream)
             for kind, value in rows.items():
-                self.state[layer][kind].index_copy_(0, at, value)
+                self.state.kind(kind)[layer].index_copy_(0, at, value)
             if missed is not None:
-                self.slot_adam.decay(missed.step, missed.lr, self.state[layer], at)
+                self.optimizer.decay(missed.step, missed.lr, self.state, layer, at)
 
     def _evict(self, slots: torch.Tensor) -> Callable[[], None]:
         """Free ``slots`` (sorted): their state is gathered on the compute stream after the slots' last update (from
@@ -346,7 +333,7 @@ class WorkingSet:
         ids = self.ids[slots]
         with self._on_compute():
             at = slots.to(self.device, non_blocking=True)
-            copies = {(layer, kind): self.d2h.copy(self.state[layer][kind].index_select(0, at), (layer, kind))
+            copies = {(layer, kind): self.d2h.copy(self.state.kind(kind)[layer].index_select(0, at), (layer, kind))
                       for layer in self.layers for kind in KINDS}
         self.slot_of[ids] = -1
         self.ids[slots] = -1
@@ -357,7 +344,7 @@ class WorkingSet:
             try:
                 for (layer, kind), (rows, event) in copies.items():
                     landed(event)
-                    self._to_host(ids, layer, kind, rows)
+                    self.host.write(layer, kind, ids, rows)
             finally:
                 self._landed.set()
         return land
@@ -370,14 +357,7 @@ class WorkingSet:
             at, ids = slots.to(self.device), self.ids[slots]
             for layer in self.layers if slots.numel() else ():
                 for kind in KINDS:
-                    self._to_host(ids, layer, kind, self.state[layer][kind].index_select(0, at).cpu())
-
-    def _to_host(self, ids: torch.Tensor, layer: int, kind: str, rows: torch.Tensor) -> None:
-        """Rows ``ids``' state ``kind`` of ``layer`` into the host record; masters into the fetched copy too."""
-        self.host.kind(kind)[layer][self.host.local(ids)] = rows
-        if kind == "master":
-            weight = self.host.weight[layer]
-            weight[self.host.position(ids)] = rows.to(weight.dtype)
+                    self.host.write(layer, kind, ids, self.state.kind(kind)[layer].index_select(0, at).cpu())
 
     def drop(self) -> None:
         """Forget every resident row (the host record was loaded anew: a checkpoint, ``load_tables``)."""

@@ -1,7 +1,7 @@
 """``InferenceModel``: an export loaded into one process for scoring, generation and edits.
 
 The STEM tables are either the export's ``U_l`` parameters on the device (``placement="device"``) or
-stay in host memory (``placement="host"``, ``host_tables.read_only.ReadOnlyHostTables``): every
+stay in host memory (``placement="host"``, ``inference.host_rows.ReadOnlyHostTables``): every
 forward then fetches the rows of its distinct token ids only and hands them to the STEM layers
 through ``token_ids``, with an optional device cache of the hottest rows (``cache_rows``).
 
@@ -31,9 +31,9 @@ from stem_megatron.export.single_process import (
     single_process_config,
 )
 from stem_megatron.flops.decode_bytes import ByteBudget
-from stem_megatron.host_tables.read_only import ReadOnlyHostTables, split_tables
-from stem_megatron.host_tables.row_source import HostRowSource
+from stem_megatron.host_tables.store import HostRowSource
 from stem_megatron.host_tables.transfer import PrefetchedRows
+from stem_megatron.inference.host_rows import ReadOnlyHostTables, split_tables
 from stem_megatron.inference.sampling import next_token
 from stem_megatron.model.gpt import build_gpt, transformer_config
 from stem_megatron.model.sharding import load_full_weights

@@ -15,7 +15,6 @@ from stem_megatron.config import RunConfig
 from stem_megatron.data.batches import micro_batches
 from stem_megatron.data.datasets import build_datasets
 from stem_megatron.data.tokenizer import HFTokenizer
-from stem_megatron.host_tables.prefetch import RowPrefetcher
 
 
 def run_datasets(cfg: RunConfig):
@@ -38,29 +37,12 @@ def run_datasets(cfg: RunConfig):
     )
 
 
-@contextlib.contextmanager
-def with_rows(batches: Iterator[dict], store, num_micro_batches: int, depth: int = 2,
-              training: bool = True) -> Iterator[Iterator[dict]]:
-    """``batches`` with their STEM rows prefetched (``RowPrefetcher``) when ``store`` holds host tables,
-    as they are otherwise; the prefetch thread stops on exit, and the last step's CPU Adam is waited for.
-    The first step's rows are made current here (a collective: every rank enters together), and admitted to the
-    working set for ``training``; each training step does it for the next."""
+def with_rows(batches: Iterator[dict], store, num_micro_batches: int, depth: int = 2, training: bool = True):
+    """``batches`` with their STEM rows attached when ``store`` holds host tables (``HostTableStore.stream``: a
+    context manager that makes the first step's rows readable on entry), as they are otherwise; a context manager."""
     if store is None:
-        yield batches
-        return
-    prefetcher = RowPrefetcher(batches, store, num_micro_batches, depth, training)
-    ended = False
-    try:
-        ids = prefetcher.next_ids()
-        store.refresh(ids)
-        if training:
-            store.admit(ids)
-        prefetcher.release()
-        yield prefetcher
-        ended = True
-    finally:
-        prefetcher.close(wait=ended)  # after an error a peer may never meet this rank's prefetch thread
-        store.updates.settle()  # this rank's: no collective on the way out of an error
+        return contextlib.nullcontext(batches)
+    return store.stream(batches, num_micro_batches, depth, training)
 
 
 def batch_stream(dataset, cfg: RunConfig, dp: int, store, num_micro_batches: int, start_step: int = 0,

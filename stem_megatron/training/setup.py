@@ -15,8 +15,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 
 from stem_megatron import parallel
 from stem_megatron.config import RunConfig
-from stem_megatron.host_tables.row_source import HostRowSource
-from stem_megatron.host_tables.store import HostTableStore, build_store
+from stem_megatron.host_tables.store import HostRowSource, HostTableStore, build_store
 from stem_megatron.model.gpt import build_gpt, transformer_config
 from stem_megatron.model.stem_mlp import STEM_VARIANTS
 from stem_megatron.training.optim import build_optimizer, build_scheduler, wrap_ddp

@@ -86,33 +86,31 @@ def train_step(trainer, data_iterator, num_micro_batches, micro_batch_size, seq_
     model, optimizer = trainer.model, trainer.optimizer
     model.zero_grad_buffer()
     optimizer.zero_grad()
-    if trainer.store is not None:
-        trainer.store.begin_step(num_micro_batches, data_iterator.begin())
     loss = forward_backward(model, data_iterator, num_micro_batches, micro_batch_size, seq_length, vocab_size)
     lr = optimizer.param_groups[0]["lr"]
     norms = {}
     if trainer.store is None:
         ok, grad_norm, _ = optimizer.step()
     else:
-        ok, grad_norm, norms = _step_with_host_tables(optimizer, trainer.store, lr, data_iterator,
+        ok, grad_norm, norms = _step_with_host_tables(optimizer, data_iterator, lr,
                                                       separate=trainer.stem_clip == "separate")
     trainer.scheduler.step(increment=1)
     return {"loss": loss, "grad_norm": float(grad_norm) if grad_norm is not None else None, **norms, "lr": lr,
             "update_skipped": not ok}
 
 
-def _step_with_host_tables(optimizer, store, lr: float, prefetcher, separate: bool = False
-                           ) -> tuple[bool, float, dict]:
+def _step_with_host_tables(optimizer, rows, lr: float, separate: bool = False) -> tuple[bool, float, dict]:
     """megatron's optimizer step split open (as its ChainedOptimizer does) so the clipping covers the host
     STEM grads too: ``stem.clip=global`` clips the dense grads and the STEM grads by their joint norm,
     ``separate`` each by its own norm (as the released code, docs/recipes.md); both to ``train.clip_grad``.
-    Then CPU Adam on the rows, and the rows of the next step (``prefetcher.next_ids``) made current before
-    the prefetcher reads them. Returns the joint norm and both parts' norms (before clipping)."""
+    Then the rows' update, the step's end in its pipeline (``rows``: ``host_tables.pipeline.RowPipeline``, the
+    schedule's data iterator), which makes the next step's rows readable. Returns the joint norm and both parts'
+    norms (before clipping)."""
     if optimizer.prepare_grads():
         raise FloatingPointError("non-finite gradients in the dense parameters")
     dense_norm = float(optimizer.get_grad_norm())
     with record_function("stem: reduce row gradients"):  # labels for a profiled step (logging.profile_step)
-        stem_sq = float(store.reduce_gradients())
+        stem_sq = float(rows.reduce_gradients())
     grad_norm = math.sqrt(dense_norm**2 + stem_sq)
     stem_norm = math.sqrt(stem_sq)
     clip = optimizer.config.clip_grad
@@ -122,9 +120,8 @@ def _step_with_host_tables(optimizer, store, lr: float, prefetcher, separate: bo
             clip_grad_by_total_norm_fp32(part.get_parameters(), clip, dense_by)
         coef = clip / (stem_by + 1.0e-6)  # megatron's clip coefficient
         if coef < 1.0:
-            store.scale_gradients(coef)
+            rows.scale_gradients(coef)
     ok = optimizer.step_with_ready_grads()
     with record_function("stem: CPU Adam + refresh"):
-        store.step(lr, prefetcher.next_ids())
-    prefetcher.release()
+        rows.step(lr)
     return ok, grad_norm, {"dense_grad_norm": dense_norm, "stem_grad_norm": stem_norm}

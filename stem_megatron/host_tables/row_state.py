@@ -1,0 +1,254 @@
+"""The state of STEM table rows in one layout, and this node's host record of it (docs/host_tables.md).
+
+``RowState``: per STEM layer a row's fp32 ``master`` and both Adam moments, ``[rows, cols]`` tensors, each kind a
+``{layer: tensor}``. Every holder of rows uses it: the host record (the owner's block), the device tier's slots
+(``working_set.WorkingSet``) and the rows staged ahead (``working_set.StagedRows``), so the row optimizer takes one
+layout, whoever holds the rows (as FBGEMM's TBE keeps weights and both momenta).
+
+``HostRecord``: this node's tables of one pipeline stage, mapped from node-shared files (``node.shared_tensors``,
+TP-major ``[tp, rows, cols]``, so a TP rank's column block is one contiguous ``[rows, cols]`` block): ``read``, the
+copy fetches read (every row, in the ownership permutation's order, ``stem.read_dtype``), and ``state``, the row
+state of the rows this node owns (``ownership.RowOwnership``; with fp32 copies the masters are the owned range of
+the copy itself, with bf16 copies a block of their own). The other nodes' rows in ``read`` are current where
+``current`` says so (``store.HostTableStore.refresh`` pulls them from their owners). The whole-table verbs read and
+write it as V x d_ff matrices by token id (checkpoints, export, ``stem-edit``, tests).
+"""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+
+from stem_megatron.host_tables.node import NodeLayout, shared_tensors
+from stem_megatron.host_tables.ownership import RowOwnership
+from stem_megatron.host_tables.transfer import staged_bytes
+from stem_megatron.model.device_table import table_row_chunks
+
+KINDS = ("master", "exp_avg", "exp_avg_sq")  # a row's state: its fp32 master and both Adam moments
+
+
+@dataclass
+class RowState:
+    """Per STEM layer, ``[rows, cols]`` fp32 tensors of each kind of a row's state."""
+
+    master: dict[int, torch.Tensor]
+    exp_avg: dict[int, torch.Tensor]
+    exp_avg_sq: dict[int, torch.Tensor]
+
+    @classmethod
+    def zeros(cls, layers: list[int], rows: int, cols: int, device: torch.device) -> RowState:
+        return cls(*({layer: torch.zeros(rows, cols, device=device) for layer in layers} for _ in KINDS))
+
+    def kind(self, name: str) -> dict[int, torch.Tensor]:
+        return getattr(self, name)
+
+    def layer(self, layer: int) -> dict[str, torch.Tensor]:
+        """``layer``'s rows of each kind."""
+        return {kind: self.kind(kind)[layer] for kind in KINDS}
+
+    def of(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``layer``'s (master, exp_avg, exp_avg_sq), the row optimizer's arguments."""
+        return self.master[layer], self.exp_avg[layer], self.exp_avg_sq[layer]
+
+
+class HostRecord:
+    """This node's copy of every row and its owned rows' state, for ``layers`` (this stage's STEM layers)."""
+
+    def __init__(self, layers: list[int], vocab_size: int, d_ff: int, init_std: float, seed: int, node: NodeLayout,
+                 own: RowOwnership, read_dtype: torch.dtype, shm_dir: str, host_memory_gib: Optional[float]):
+        """Collective over the world (the run's file names, then the node's shared files)."""
+        self.layers, self.vocab_size, self.d_ff = list(layers), vocab_size, d_ff
+        self.tp = parallel_state.get_tensor_model_parallel_world_size()
+        self.tp_rank = parallel_state.get_tensor_model_parallel_rank()
+        self.cols = d_ff // self.tp
+        self.node, self.own, self.read_dtype = node, own, read_dtype
+        run_id = [secrets.token_hex(6) if dist.get_rank() == 0 else None]
+        dist.broadcast_object_list(run_id, src=0)
+        owned, fp32 = own.owned_rows, torch.float32
+        specs = {"weight": (vocab_size, read_dtype), "exp_avg": (owned, fp32), "exp_avg_sq": (owned, fp32)}
+        if read_dtype != fp32:
+            specs["master"] = (owned, fp32)
+        names = {(layer, kind): f"stem-{run_id[0]}-n{node.node}-L{layer}-{kind}"
+                 for layer in self.layers for kind in specs}
+        by_name = {name: key for key, name in names.items()}
+
+        def init(name: str, tensor: torch.Tensor) -> None:
+            layer, kind = by_name[name]
+            if kind in ("weight", "master"):
+                self._init_table(tensor, layer, seed, init_std, owned=kind == "master")
+            # moments: tmpfs pages start at zero
+
+        shared = shared_tensors({name: ((self.tp, specs[kind][0], self.cols), specs[kind][1])
+                                 for (_, kind), name in names.items()}, node.group, init, directory=shm_dir,
+                                host_memory_gib=host_memory_gib)
+        self.full = {key: shared[name] for key, name in names.items()}  # [tp, rows, cols], node-shared
+        self.read = {layer: self.full[layer, "weight"][self.tp_rank] for layer in self.layers}  # position order
+        masters = {layer: self.full[layer, "master"][self.tp_rank] if "master" in specs
+                   else self.read[layer][own.lo:own.hi] for layer in self.layers}
+        self.state = RowState(masters, *({layer: self.full[layer, kind][self.tp_rank] for layer in self.layers}
+                                         for kind in KINDS[1:]))
+        # rows of my class in my node's copy that equal their owner's (rows my node owns always do)
+        self.current = torch.ones(vocab_size, dtype=torch.bool)
+
+    @property
+    def host_bytes(self) -> int:
+        """Bytes of host memory this rank's node holds for this stage's tables and moments."""
+        return sum(t.numel() * t.element_size() for t in self.full.values())
+
+    def local(self, ids: torch.Tensor) -> torch.Tensor:
+        """Each id's row in ``state`` (ids this node owns)."""
+        return self.own.local(ids)
+
+    def write(self, layer: int, kind: str, ids: torch.Tensor, rows: torch.Tensor) -> None:
+        """Rows ``ids``' state ``kind`` of ``layer`` (a working set's, written back); masters into ``read`` too."""
+        self.state.kind(kind)[layer][self.own.local(ids)] = rows
+        if kind == "master":
+            self.read[layer][self.own.position(ids)] = rows.to(self.read_dtype)
+
+    def round_copies(self, layer: int, rows: torch.Tensor) -> None:
+        """The node's copy of its own ``rows`` (of ``state``) after an update: the masters rounded (bf16 copies)."""
+        if self.read_dtype != torch.float32:
+            self.read[layer][self.own.lo + rows] = self.state.master[layer][rows].to(self.read_dtype)
+
+    def pull(self, ids: torch.Tensor, exchange) -> int:
+        """Make this node's copy of rows ``ids`` (any DP peer on the node may ask for its own) equal the owners'
+        rows (``RowExchange.pull``); returns the rows pulled. Collective over this stage's DP group and the node: every
+        peer's rows are in the node's copy before anyone reads (the caller has settled the updates first)."""
+        pulled = 0
+        if self.layers:
+            need = exchange.node_needs(ids)
+            stale = need[~self.current[need] & (self.own.owner(need) != self.own.node)]
+            exchange.pull(stale, [self.read[layer] for layer in self.layers])
+            self.current[stale] = True
+            pulled = stale.numel()
+        dist.barrier(self.node.group)
+        return pulled
+
+    def _init_table(self, full: torch.Tensor, layer: int, seed: int, std: float, owned: bool) -> None:
+        """``table_row_chunks``' rows (the device table's): the whole copy, or (``owned``) the master rows of this
+        node's block."""
+        for start, rows in table_row_chunks(seed, layer, self.vocab_size, self.d_ff, std):
+            ids = torch.arange(start, start + rows.shape[0])
+            at = self.own.position(ids)
+            if owned:
+                mine = self.own.owner(ids) == self.own.node
+                rows, at = rows[mine], at[mine] - self.own.lo
+            full[:, at] = rows.view(rows.shape[0], self.tp, self.cols).transpose(0, 1).to(full.dtype)
+
+    # ---- whole tables (the caller settles first: ``HostTableStore.settle``) ----
+    def table(self, layer: int) -> torch.Tensor:
+        """``U_l`` as a V x d_ff fp32 matrix from this node's copy (every TP block is in the node's shared file),
+        by token id; current where ``current`` says so."""
+        full = self.full[layer, "weight"][:, self.own.position(torch.arange(self.vocab_size))]
+        return full.transpose(0, 1).reshape(self.vocab_size, self.d_ff).float()
+
+    def owner_table(self, layer: int) -> Optional[torch.Tensor]:
+        """``U_l`` as a V x d_ff matrix of the owners' fp32 master rows, on DP rank 0 (None elsewhere); a collective
+        over the first peers of this DP group's nodes."""
+        if self.node.peer_index != 0:
+            return None
+        block = self.full[layer, "master"] if (layer, "master") in self.full else \
+            self.full[layer, "weight"][:, self.own.lo:self.own.hi]
+        blocks = [block]
+        if self.node.rail is not None:
+            blocks = [None] * self.node.dp_nodes if self.node.dp_node == 0 else None
+            dist.gather_object(block.clone(), blocks, dst=dist.get_process_group_ranks(self.node.rail)[0],
+                               group=self.node.rail)
+        if self.node.dp_node != 0:
+            return None
+        by_position = torch.cat(blocks, dim=1)  # [tp, V, cols]: the nodes' ranges in order
+        full = by_position[:, self.own.position(torch.arange(self.vocab_size))]
+        return full.transpose(0, 1).reshape(self.vocab_size, self.d_ff).clone()
+
+    def load(self, tables: dict[int, torch.Tensor]) -> None:
+        """This rank's column block of each ``U_l`` from V x d_ff matrices by token id (node collective)."""
+        every = torch.arange(self.vocab_size)
+        for layer, table in tables.items():
+            block = table[:, self.tp_rank * self.cols:(self.tp_rank + 1) * self.cols]
+            self.read[layer][self.own.position(every)] = block.to(self.read_dtype)
+            self.state.master[layer].copy_(block[self.own.ids_at(torch.arange(self.own.lo, self.own.hi))])
+        self.current.fill_(True)
+        dist.barrier(self.node.group)
+
+    def copies_from_masters(self) -> bool:
+        """After the master rows were loaded: the node's copy of its own rows from them (bf16 copies: a checkpoint
+        holds fp32 masters only). Returns whether the other nodes' rows are stale now."""
+        if self.read_dtype == torch.float32:
+            return False
+        for layer in self.layers:
+            self.read[layer][self.own.lo:self.own.hi] = self.state.master[layer].to(self.read_dtype)
+        self.current.fill_(False)
+        return True
+
+    def sharded(self, kind: str, layer: int, loading: bool) -> tuple[torch.Tensor, int]:
+        """(the tensor a checkpoint's ``kind`` of ``layer`` maps to, its first row among the V): this node's range
+        (the masters for ``weight``), or for loading into fp32 copies the whole copy (its master range included)."""
+        if kind == "weight" and loading and self.read_dtype == torch.float32:
+            return self.read[layer], 0
+        return self.state.kind("master" if kind == "weight" else kind)[layer], self.own.lo
+
+
+class StagedRows:
+    """A working set's entering rows that cannot load ahead, their state gathered ahead (issue 31): up to ``rows``
+    rows a layer, every layer's state in one buffer, from ``stage`` (prefetch thread) to ``take`` (the next ``admit``,
+    training thread); the set's lock serialises the two.
+
+    A working set loads the next step's entering rows while the step before runs (``WorkingSet.preload``), into slots
+    neither step reads. Where the two steps' rows outnumber the slots (a set sized to the memory goal: 8,947 rows a
+    layer at 1B, where two steps read ~9.2k), the rest can take a slot only at ``admit``, on the step's path (339 rows a
+    layer a step at 1B on CPU, 167 MB gathered in 8-33 ms and copied in ~7 ms while the device waits:
+    docs/benchmarks.md). Their state can be read as early as the step is announced (lazy Adam: a row outside the set is
+    final on the host until it enters; dense: once its decay of the step before that is done, and before the next
+    update begins, ``admit`` then giving it the missed decay in its slot: ``row_optimizer.MissedUpdate``). ``stage``
+    gathers it then into a buffer kept for it (pinned on GPU, reserved when the store is built:
+    ``transfer.staged_bytes``); at ``admit`` the set takes it (``take``) and, on GPU, copies it on the side stream,
+    each layer's first reader putting its rows in place (``WorkingSet.rows``)."""
+
+    def __init__(self, layers: list[int], cols: int, rows: int, copies=None):
+        """``copies``: the set's ``transfer.CudaCopies`` (GPU: the buffer is pinned now), None on CPU."""
+        self.layers, self.cols, self.rows = layers, cols, rows
+        nbytes = staged_bytes(rows, len(layers), cols)
+        self._buffer = copies.pinned(nbytes) if copies is not None else torch.empty(nbytes, dtype=torch.uint8)
+        self.ids: Optional[torch.Tensor] = None  # the staged ids (sorted); None: nothing staged
+        self._state: Optional[RowState] = None  # views of the buffer ([layers, kinds, len(ids), cols] fp32)
+        self.copied: Optional[torch.cuda.Event] = None  # (GPU) the last copies out of the buffer end here
+
+    def stage(self, ids: torch.Tensor, host: HostRecord) -> None:
+        """The state of the first ``rows`` of the sorted ``ids`` (not resident) from the ``host`` record, in place of
+        anything staged before."""
+        self.ids = self._state = None
+        ids = ids[:self.rows]
+        if not ids.numel():
+            return
+        if self.copied is not None:  # the last take's copies read the buffer: they end before it is written again
+            self.copied.synchronize()
+            self.copied = None
+        shape = (len(self.layers), len(KINDS), ids.numel(), self.cols)
+        block = self._buffer[:4 * torch.Size(shape).numel()].view(torch.float32).view(shape)
+        state = RowState(*({layer: block[i, j] for i, layer in enumerate(self.layers)} for j in range(len(KINDS))))
+        local = host.local(ids)
+        for kind in KINDS:
+            for layer in self.layers:
+                torch.index_select(host.state.kind(kind)[layer], 0, local, out=state.kind(kind)[layer])
+        self.ids, self._state = ids, state
+
+    def take(self, entering: torch.Tensor) -> Optional[tuple[torch.Tensor, RowState]]:
+        """The staged rows of the sorted ``entering`` ids: (a mask over ``entering``, their state in the mask's order),
+        or None where nothing is staged or a staged id is not entering (the step differs from the one staged for: its
+        rows load from the host). Whatever was staged is let go."""
+        ids, state, self.ids, self._state = self.ids, self._state, None, None
+        if ids is None:
+            return None
+        mask = torch.isin(entering, ids)
+        if not torch.equal(entering[mask], ids):
+            return None
+        return mask, state
+
+    def drop(self) -> None:
+        """Forget the staged rows (the host record was loaded anew)."""
+        self.ids = self._state = None
