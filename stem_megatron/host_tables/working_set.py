@@ -14,7 +14,7 @@ estimate). With a working set (``stem.resident_rows``) every STEM layer keeps sl
   least counted of those the next step does not read) when slots run short, and their state goes back to the host
   on a side stream, landed by the Adam thread beside the next step. The entering rows are loaded ahead, while the
   step before runs (``preload``, called by the prefetch thread as it announces a step; with dense Adam only until
-  that step's update begins, each row once its host decay of the last step is done: ``later_decay``). Those
+  that step's update begins, each row once its host decay of the last step is done: ``row_optimizer.LaterDecay``). Those
   that find no free slot then are gathered then (``row_state.StagedRows``), copied at ``admit`` and put in place
   by each layer's first reader (dense Adam: with the step's decay, which they missed).
 
@@ -208,7 +208,7 @@ class WorkingSet:
         are not resident, loaded into free slots while the step before runs (copied on the side stream, put in place
         on the compute stream among that step's work). Exact with lazy Adam: that step updates its own rows only,
         and neither they nor their slots are touched here. With dense
-        Adam (the host record of ``ids`` current: their decay of the last step done, ``later_decay``) only before
+        Adam (the host record of ``ids`` current: their decay of the last step done, ``LaterDecay``) only before
         that step's ``begin_update``: its update then covers them, a zero gradient as on the host. Room is made from
         rows neither step reads, landed here once the loads are issued, since their gather waits for the compute
         stream's work so far (lazy: their state is final; dense: the host decays them as rows outside). The state of
