@@ -228,16 +228,16 @@ class RowPipeline:
             if self.training:
                 self.tier.admit(ids)
             self.release()
-        except BaseException:
-            self.__exit__(None, None, None, ended=False)
+        except BaseException as error:
+            self.__exit__(type(error), error, error.__traceback__)
             raise
         return self
 
-    def __exit__(self, kind, error, trace, ended: Optional[bool] = None) -> None:
+    def __exit__(self, kind, error, trace) -> None:
         """Stop the worker (after an error not waiting for a plan a peer may never make), then this rank's Adam
         thread: no collective on the way out of an error."""
         try:
-            self._close(wait=kind is None if ended is None else ended)
+            self._close(wait=kind is None)
         finally:
             self.store.updates.settle()
 
