@@ -46,7 +46,7 @@ def _identity(cfg: RunConfig) -> dict:
 def save(cfg: RunConfig, trainer, detector, step: int) -> Path:
     """Write the checkpoint after ``step`` optimizer steps (collective); returns its directory."""
     staging = atomic.staging_dir(root_dir(cfg), step)
-    dense.save(trainer.model, trainer.optimizer, staging / "dense")
+    dense.save(trainer.model, trainer.dense_optimizer, staging / "dense")
     if trainer.store is not None:
         host_tables.save(trainer.store, staging / "stem")
     train_state.save(staging, step, trainer.scheduler, detector)
@@ -135,7 +135,7 @@ def load(path: Path, manifest: dict, cfg: RunConfig, trainer, detector) -> int:
     (collective)."""
     layout = _layout()
     _check_compatible(cfg, manifest, path, layout)
-    dense.load(trainer.model, trainer.optimizer, path / "dense", manifest["step"])
+    dense.load(trainer.model, trainer.dense_optimizer, path / "dense", manifest["step"])
     step = train_state.load(path, trainer.scheduler, detector, manifest["layout"], layout)
     if trainer.store is not None:
         host_tables.load(trainer.store, path / "stem", steps_done=step)

@@ -231,11 +231,15 @@ class RowPipeline:
         except BaseException as error:
             self.__exit__(type(error), error, error.__traceback__)
             raise
+        if self.training:
+            self.store.pipeline = self  # the step's end, for the tables' optimizer (training/table_optimizer.py)
         return self
 
     def __exit__(self, kind, error, trace) -> None:
         """Stop the worker (after an error not waiting for a plan a peer may never make), then this rank's Adam
         thread: no collective on the way out of an error."""
+        if self.store.pipeline is self:
+            self.store.pipeline = None
         try:
             self._close(wait=kind is None)
         finally:

@@ -106,6 +106,7 @@ class HostTableStore:
         self.grads = RowGradients(self.layers, self.cols, self.exchange, dp_group, self.device, overlap,
                                   landing_rows=landing_rows(self.own, step_ids), to_host=not resident_rows)
         self.steps_done = 0
+        self.pipeline: Optional[RowPipeline] = None  # the open training stream: its step's end (``stream``)
 
     @property
     def host_bytes(self) -> int:

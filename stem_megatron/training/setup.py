@@ -8,7 +8,7 @@ from typing import Optional
 
 import torch
 from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
-from megatron.core.optimizer import MegatronOptimizer
+from megatron.core.optimizer import ChainedOptimizer, MegatronOptimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.spec_utils import ModuleSpec
@@ -19,6 +19,7 @@ from stem_megatron.host_tables.store import HostRowSource, HostTableStore, build
 from stem_megatron.model.gpt import build_gpt, transformer_config
 from stem_megatron.model.stem_mlp import STEM_VARIANTS
 from stem_megatron.training.optim import build_optimizer, build_scheduler, wrap_ddp
+from stem_megatron.training.table_optimizer import TableOptimizer
 
 
 @dataclass
@@ -26,15 +27,16 @@ class Trainer:
     """What a training step needs: the DDP-wrapped stage, its optimizer and schedule, the STEM store."""
 
     model: DistributedDataParallel
-    optimizer: MegatronOptimizer
+    optimizer: MegatronOptimizer  # what a step steps: megatron's chain of the dense optimizer and the host tables'
     scheduler: OptimizerParamScheduler
     store: Optional[HostTableStore]
-    stem_clip: str = "global"  # stem.clip: the host tables clipped with the dense grads or by their own norm
+    dense_optimizer: MegatronOptimizer  # the dense parameters' alone: the dense checkpoint's state (checkpoint/dense.py)
 
 
 def setup_model(cfg: RunConfig) -> Trainer:
     """Model stage for this rank wrapped in megatron DDP, its optimizer and LR schedule, and (with
-    ``stem.placement=host``) the host table store its STEM layers read from."""
+    ``stem.placement=host``) the host table store its STEM layers read from, its rows a member of the optimizer's
+    chain (``TableOptimizer``)."""
     gpu = parallel.on_gpu()
     tconfig = transformer_config(cfg.model, cfg.parallel, on_gpu=gpu, stem=cfg.stem)
     store, row_source = None, None
@@ -50,9 +52,10 @@ def setup_model(cfg: RunConfig) -> Trainer:
     if gpu:
         model.cuda()  # megatron's torch RMSNorm (no TE) is created without a device
     model = wrap_ddp(model, tconfig, cfg.parallel)
-    optimizer = build_optimizer(model, cfg.train, cfg.parallel, bf16=gpu)
+    dense = build_optimizer(model, cfg.train, cfg.parallel, bf16=gpu)
+    optimizer = dense if store is None else ChainedOptimizer([dense, TableOptimizer(store, dense, cfg.stem.clip)])
     scheduler = build_scheduler(optimizer, cfg.train)
     tconfig.finalize_model_grads_func = finalize_model_grads
-    tconfig.grad_scale_func = optimizer.scale_loss
+    tconfig.grad_scale_func = dense.scale_loss
     tconfig.no_sync_func = model.no_sync
-    return Trainer(model, optimizer, scheduler, store, cfg.stem.clip)
+    return Trainer(model, optimizer, scheduler, store, dense)

@@ -7,15 +7,12 @@ on any stage need them for ``U_l[t]``, the last stage needs the labels.
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
-from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 from megatron.core.pipeline_parallel import get_forward_backward_func
-from torch.profiler import record_function
 
 from stem_megatron.data.integrity import check_token_ids
 from stem_megatron.model.token_context import token_ids
@@ -82,46 +79,17 @@ def global_mean_loss(losses: list[dict]) -> float:
 
 
 def train_step(trainer, data_iterator, num_micro_batches, micro_batch_size, seq_length, vocab_size) -> dict:
-    """Zero grads, forward/backward all micro-batches, DP-reduce grads, clip, step, advance the LR."""
+    """Zero grads, forward/backward all micro-batches, megatron's optimizer step (DP-reduce, clip, update: with host
+    tables, their rows too, as a member of its chain), advance the LR. The record's norms are before clipping."""
     model, optimizer = trainer.model, trainer.optimizer
     model.zero_grad_buffer()
     optimizer.zero_grad()
     loss = forward_backward(model, data_iterator, num_micro_batches, micro_batch_size, seq_length, vocab_size)
     lr = optimizer.param_groups[0]["lr"]
-    norms = {}
-    if trainer.store is None:
-        ok, grad_norm, _ = optimizer.step()
-    else:
-        ok, grad_norm, norms = _step_with_host_tables(optimizer, data_iterator, lr,
-                                                      separate=trainer.stem_clip == "separate")
+    ok, grad_norm, _ = optimizer.step()
     trainer.scheduler.step(increment=1)
-    return {"loss": loss, "grad_norm": float(grad_norm) if grad_norm is not None else None, **norms, "lr": lr,
-            "update_skipped": not ok}
-
-
-def _step_with_host_tables(optimizer, rows, lr: float, separate: bool = False) -> tuple[bool, float, dict]:
-    """megatron's optimizer step split open (as its ChainedOptimizer does) so the clipping covers the host
-    STEM grads too: ``stem.clip=global`` clips the dense grads and the STEM grads by their joint norm,
-    ``separate`` each by its own norm (as the released code, docs/recipes.md); both to ``train.clip_grad``.
-    Then the rows' update, the step's end in its pipeline (``rows``: ``host_tables.pipeline.RowPipeline``, the
-    schedule's data iterator), which makes the next step's rows readable. Returns the joint norm and both parts'
-    norms (before clipping)."""
-    if optimizer.prepare_grads():
-        raise FloatingPointError("non-finite gradients in the dense parameters")
-    dense_norm = float(optimizer.get_grad_norm())
-    with record_function("stem: reduce row gradients"):  # labels for a profiled step (logging.profile_step)
-        stem_sq = float(rows.reduce_gradients())
-    grad_norm = math.sqrt(dense_norm**2 + stem_sq)
-    stem_norm = math.sqrt(stem_sq)
-    clip = optimizer.config.clip_grad
-    if clip > 0.0:
-        dense_by, stem_by = (dense_norm, stem_norm) if separate else (grad_norm, grad_norm)
-        for part in getattr(optimizer, "chained_optimizers", [optimizer]):
-            clip_grad_by_total_norm_fp32(part.get_parameters(), clip, dense_by)
-        coef = clip / (stem_by + 1.0e-6)  # megatron's clip coefficient
-        if coef < 1.0:
-            rows.scale_gradients(coef)
-    ok = optimizer.step_with_ready_grads()
-    with record_function("stem: CPU Adam + refresh"):
-        rows.step(lr)
-    return ok, grad_norm, {"dense_grad_norm": dense_norm, "stem_grad_norm": stem_norm}
+    record = {"loss": loss, "grad_norm": float(grad_norm) if grad_norm is not None else None, "lr": lr,
+              "update_skipped": not ok}
+    for part in getattr(optimizer, "chained_optimizers", [optimizer]):
+        record.update(getattr(part, "step_record", {}))  # a member's own figures (the tables': both norms)
+    return record

@@ -1,0 +1,137 @@
+"""The host STEM tables as a member of megatron-core's ``ChainedOptimizer``, so a training step is megatron's
+``optimizer.step()`` whatever holds the tables (docs/host_tables.md, "The tables in megatron's optimizer").
+
+The chain calls its members in one order (``prepare_grads``, ``get_grad_norm``, its clip, ``step_with_ready_grads``);
+this member maps them onto the step's end in the open ``RowPipeline``: the row gradients sent to their owners and their
+squared norm summed (``reduce_gradients``, the role of DDP's ``finish_grad_sync``), the clip, the rows updated and the
+next step released (``step``).
+
+Three things the chain does not do for host rows, done here:
+- The clip. The rows are not parameters (they live in host memory or the working set's slots), so ``get_parameters``
+  is empty and the chain clips the dense parameters only. This member clips the rows itself with megatron's
+  coefficient, ``clip_grad / (norm + 1e-6)``, by the joint norm (``stem.clip=global``, computed as the chain does)
+  or the rows' own (``separate``, the released code's). For ``separate`` it reports a norm of 0 to the chain, so
+  the chain's norm, which clips the dense gradients, is the dense norm alone.
+- The step record's norms. The chain returns one norm; the dense one is asked of the dense optimizer a second time
+  (one pass over its gradients and one scalar all-reduce, as megatron measures its separate norm groups).
+- A skipped update. The chain skips every member's ``step_with_ready_grads`` on a non-finite gradient or a norm
+  above ``grad_norm_skip_threshold``. The rows' step also releases the next step to the prefetch thread, so the host
+  tables cannot skip one: the next ``zero_grad`` stops the run with the reason instead of waiting forever.
+
+The tables' state is checkpointed in its own directory (``checkpoint/host_tables.py``: each node writes its owners'
+rows), so the dense checkpoint keeps the layout megatron gives the dense optimizer alone.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+from megatron.core.optimizer import MegatronOptimizer
+from torch.profiler import record_function
+
+from stem_megatron.host_tables.store import HostTableStore
+
+
+class TableOptimizer(MegatronOptimizer):
+    """The host tables' rows, updated by the store's row optimizer as a member of megatron's chain after ``dense``
+    (megatron's optimizer of the dense parameters, whose config it shares). ``clip``: ``stem.clip``."""
+
+    def __init__(self, store: HostTableStore, dense: MegatronOptimizer, clip: str = "global"):
+        if clip not in ("global", "separate"):
+            raise ValueError(f"stem.clip must be 'global' or 'separate', got {clip!r}")
+        # no torch optimizer to wrap (MegatronOptimizer.__init__ would warn that this rank has none): its attributes
+        self.optimizer, self.config, self.is_stub_optimizer = None, dense.config, False
+        self.store, self.dense, self.separate = store, dense, clip == "separate"
+        # the LR scheduler sets this group's lr as it sets the dense groups'; the rows' decay is the store's
+        self._groups = [{"params": [], "lr": dense.config.lr, "weight_decay": dense.config.weight_decay}]
+        self.step_record: dict = {}  # the step's norms, for the training loop's record
+        self._stem_sq: Optional[float] = None  # the reduced row gradients' squared norm; None: no step pending
+        self._skipped_step: Optional[int] = None
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return self._groups
+
+    @property
+    def state(self) -> dict:
+        """No per-parameter state: the rows' moments are the store's."""
+        return {}
+
+    @torch.no_grad()
+    def prepare_grads(self) -> bool:
+        """The row gradients at their owners, DP-averaged; True if their norm is not finite."""
+        with record_function("stem: reduce row gradients"):  # labels for a profiled step (logging.profile_step)
+            self._stem_sq = float(self._pipeline().reduce_gradients())
+        self.step_record = {}
+        self._skipped_step = self.store.steps_done + 1
+        return not math.isfinite(self._stem_sq)
+
+    @torch.no_grad()
+    def get_grad_norm(self) -> float:
+        """The rows' norm (0 with ``separate``: the chain's norm is then the dense one, which clips the dense part)."""
+        dense, stem = float(self.dense.get_grad_norm()), math.sqrt(self._stem_sq)
+        joint = math.sqrt(sum(x**2 for x in (dense, stem)))  # as the chain sums its members' norms
+        self.step_record = {"grad_norm": joint, "dense_grad_norm": dense, "stem_grad_norm": stem}
+        return 0.0 if self.separate else stem
+
+    def get_grad_stats_parallel_group(self) -> None:
+        """None: the rows' statistics are reduced by the tables themselves (over the DP group, then the model-parallel
+        group: ``RowGradients.reduce``), so the chain sums its members' norms instead of their gradients'."""
+        return None
+
+    @torch.no_grad()
+    def step_with_ready_grads(self) -> bool:
+        """The rows clipped (megatron's coefficient, by the norm ``stem.clip`` names), updated at this group's lr, and
+        the next step's rows made readable and released."""
+        pipeline, clip = self._pipeline(), self.config.clip_grad
+        if clip > 0.0:
+            norm = self.step_record["stem_grad_norm" if self.separate else "grad_norm"]
+            coef = clip / (norm + 1.0e-6)
+            if coef < 1.0:
+                pipeline.scale_gradients(coef)
+        with record_function("stem: CPU Adam + refresh"):
+            pipeline.step(self.param_groups[0]["lr"])
+        self._stem_sq = self._skipped_step = None
+        return True
+
+    def _pipeline(self):
+        if self.store.pipeline is None:
+            raise RuntimeError("a step with host STEM tables ran outside their stream: read the batches through "
+                               "HostTableStore.stream (training/data_stream.py), whose pipeline ends each step")
+        return self.store.pipeline
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """A new step: the last one's rows must have been updated (see the module's docstring on skipped updates)."""
+        if self._skipped_step is not None:
+            reason = ("its STEM row gradients are not finite" if not math.isfinite(self._stem_sq) else
+                      "megatron's optimizer skipped its update (a non-finite dense gradient, or a norm above "
+                      "grad_norm_skip_threshold)")
+            raise FloatingPointError(
+                f"step {self._skipped_step} was not applied: {reason}; the host STEM tables cannot skip a step (the "
+                f"next step's rows wait for this one's update). Resume from the last checkpoint with a lower "
+                f"train.lr or train.clip_grad")
+
+    def get_loss_scale(self) -> torch.Tensor:
+        return self.dense.get_loss_scale()
+
+    def reload_model_params(self, state_dict=None) -> None:
+        """Nothing: the rows have no copy apart from their master rows (a checkpoint's load refreshes them)."""
+
+    def state_dict(self) -> dict:
+        """The Adam step count: the rows and moments are saved by their owners (``sharded_state_dict``)."""
+        return {"steps_done": self.store.steps_done}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.store.steps_done = state_dict["steps_done"]
+
+    def sharded_state_dict(self, model_sharded_state_dict=None, is_loading: bool = False, **kwargs) -> dict:
+        """The master rows and both moments, one global tensor a layer and kind in the ownership order
+        (``HostTableStore.sharded_state_dict``; ``checkpoint/host_tables.py`` saves them in a directory of their
+        own)."""
+        return self.store.sharded_state_dict(loading=is_loading)
+
+    def step(self):
+        """Megatron's steps go through the chain: a member alone has no dense norm to clip by."""
+        raise TypeError("TableOptimizer is stepped as a member of megatron's ChainedOptimizer (training/setup.py)")
