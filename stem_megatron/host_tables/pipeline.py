@@ -13,12 +13,13 @@ exception is re-raised in the training thread with the original as its cause.
 Collectives: every one of a step is issued on the training thread (or inside backward, by ``RowGradients``' hooks),
 in one order on every rank; the prefetch thread issues only on the planning groups, the Adam thread none.
 
-``RowGradients``: as backward fills a micro-batch's compact row gradient it is added into one fp32 buffer per layer
-over the step's distinct ids (in micro-batch order) and the micro-batch's rows are let go. Once a layer's last
-micro-batch is in, the layer goes to its owners (``RowExchange.to_owners``, averaged over DP: what megatron's DDP
-does per bucket from ``register_grad_ready``) and, for the host tier, lands in pinned host buffers on a side stream:
-from the hook itself (``stem.overlap_exchange``), else after backward (``reduce``: DDP's ``finish_grad_sync``). Every
-rank finishes its layers in one order, so the exchange takes one place among the step's collectives on every rank.
+``RowGradients`` (megatron DDP's names, a layer its bucket): as backward fills a micro-batch's compact row gradient it
+is added into one fp32 buffer per layer over the step's distinct ids (in micro-batch order) and the micro-batch's
+rows are let go (``_register_grad_ready``). Once a layer's last micro-batch is in, the layer goes to its owners
+(``_start_grad_sync``: ``RowExchange.to_owners``, averaged over DP) and, for the host tier, lands in pinned host
+buffers on a side stream: from the hook itself (``stem.overlap_exchange``), else after backward (``finish_grad_sync``).
+Every rank finishes its layers in one order, so the exchange takes one place among the step's collectives on every
+rank.
 """
 
 from __future__ import annotations
@@ -91,10 +92,10 @@ class RowGradients:
         if self._routes is None or in_step is None:
             raise RuntimeError("STEM rows were read outside a training step: read the batches through "
                                "HostTableStore.stream, which begins each step and fetches it with its ids")
-        rows.register_post_accumulate_grad_hook(functools.partial(self._merge, layer, in_step))
+        rows.register_post_accumulate_grad_hook(functools.partial(self._register_grad_ready, layer, in_step))
         self._hold(rows.numel() * rows.element_size())
 
-    def _merge(self, layer: int, in_step: torch.Tensor, rows: torch.Tensor) -> None:
+    def _register_grad_ready(self, layer: int, in_step: torch.Tensor, rows: torch.Tensor) -> None:
         """Backward hook: add a micro-batch's gradient, free its rows; after the step's last, send the layer."""
         merged = self._merged.get(layer)
         if merged is None:
@@ -106,9 +107,9 @@ class RowGradients:
         self._hold(-rows.numel() * rows.element_size())  # autograd lets the leaf go with the micro-batch
         self._filled[layer] += 1
         if self.overlap and self._filled[layer] == self._micro_batches:
-            self._sent[layer] = self._send(layer)
+            self._sent[layer] = self._start_grad_sync(layer)
 
-    def _send(self, layer: int) -> tuple[Landed, torch.Tensor]:
+    def _start_grad_sync(self, layer: int) -> tuple[Landed, torch.Tensor]:
         """Send layer ``layer``'s merged gradients to their owners; returns (the ids this rank updates and
         their DP-averaged gradients, landing on the host; the squared norm of those rows, on the device)."""
         merged = self._merged.pop(layer, None)
@@ -124,14 +125,14 @@ class RowGradients:
         host_grads, landed = self.d2h.copy(summed, layer)  # the update is done with it before the next step's land
         return (self._owned, host_grads, landed), summed.pow(2).sum()
 
-    def reduce(self) -> tuple[dict[int, Landed], torch.Tensor]:
+    def finish_grad_sync(self) -> tuple[dict[int, Landed], torch.Tensor]:
         """Every layer's gradients at their owners, those sent during backward first; returns them and the
         squared norm of the STEM gradients summed over DP, TP and PP (each row counted once)."""
         start = time.perf_counter()
         self.stats["layers_sent_in_backward"] += len(self._sent)
         out, sq = {}, torch.zeros((), dtype=torch.float32, device=self.device)
         for layer in self.layers:
-            out[layer], layer_sq = self._sent.pop(layer) if layer in self._sent else self._send(layer)
+            out[layer], layer_sq = self._sent.pop(layer) if layer in self._sent else self._start_grad_sync(layer)
             sq += layer_sq
         self._routes = None
         self.stats["exchange_wait_s"] += time.perf_counter() - start
@@ -164,10 +165,9 @@ class RowUpdates:
 
     def later(self, work: Callable[[], None]) -> None:
         if not self.overlapped:
-            self.now(work)
-        else:
-            self.settle()
-            self._pending = self._thread.submit(_timed, work)
+            return self.now(work)
+        self.settle()
+        self._pending = self._thread.submit(_timed, work)
 
     def settle(self) -> None:
         """Wait for the background part (re-raising its error here)."""
@@ -238,8 +238,7 @@ class RowPipeline:
     def __exit__(self, kind, error, trace) -> None:
         """Stop the worker (after an error not waiting for a plan a peer may never make), then this rank's Adam
         thread: no collective on the way out of an error."""
-        if self.store.pipeline is self:
-            self.store.pipeline = None
+        self.store.pipeline = None if self.store.pipeline is self else self.store.pipeline
         try:
             self._close(wait=kind is None)
         finally:
@@ -249,7 +248,7 @@ class RowPipeline:
     def reduce_gradients(self) -> torch.Tensor:
         """Every layer's gradients at their owners (DP-averaged); returns the squared norm of the STEM gradients summed
         over DP, TP and PP (each row counted once)."""
-        self._grads, sq = self.store.grads.reduce()
+        self._grads, sq = self.store.grads.finish_grad_sync()
         return sq
 
     def scale_gradients(self, coef: float) -> None:

@@ -48,7 +48,7 @@ class TableOptimizer(MegatronOptimizer):
         self._groups = [{"params": [], "lr": dense.config.lr, "weight_decay": dense.config.weight_decay}]
         self.step_record: dict = {}  # the step's norms, for the training loop's record
         self._stem_sq: Optional[float] = None  # the reduced row gradients' squared norm; None: no step pending
-        self._skipped_step: Optional[int] = None
+        self._pending_step: Optional[int] = None  # the step whose gradients were reduced and not yet applied
 
     @property
     def param_groups(self) -> list[dict]:
@@ -65,7 +65,7 @@ class TableOptimizer(MegatronOptimizer):
         with record_function("stem: reduce row gradients"):  # labels for a profiled step (logging.profile_step)
             self._stem_sq = float(self._pipeline().reduce_gradients())
         self.step_record = {}
-        self._skipped_step = self.store.steps_done + 1
+        self._pending_step = self.store.steps_done + 1
         return not math.isfinite(self._stem_sq)
 
     @torch.no_grad()
@@ -78,8 +78,13 @@ class TableOptimizer(MegatronOptimizer):
 
     def get_grad_stats_parallel_group(self) -> None:
         """None: the rows' statistics are reduced by the tables themselves (over the DP group, then the model-parallel
-        group: ``RowGradients.reduce``), so the chain sums its members' norms instead of their gradients'."""
+        group: ``RowGradients.finish_grad_sync``), so the chain sums its members' norms instead of their gradients'."""
         return None
+
+    def has_grad_norm_group(self, grad_norm_group: str) -> bool:
+        """False: the rows are in none of megatron's separate norm groups (known here, without its world
+        all-reduce)."""
+        return False
 
     @torch.no_grad()
     def step_with_ready_grads(self) -> bool:
@@ -93,7 +98,7 @@ class TableOptimizer(MegatronOptimizer):
                 pipeline.scale_gradients(coef)
         with record_function("stem: CPU Adam + refresh"):
             pipeline.step(self.param_groups[0]["lr"])
-        self._stem_sq = self._skipped_step = None
+        self._stem_sq = self._pending_step = None
         return True
 
     def _pipeline(self):
@@ -104,12 +109,12 @@ class TableOptimizer(MegatronOptimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """A new step: the last one's rows must have been updated (see the module's docstring on skipped updates)."""
-        if self._skipped_step is not None:
+        if self._pending_step is not None:
             reason = ("its STEM row gradients are not finite" if not math.isfinite(self._stem_sq) else
                       "megatron's optimizer skipped its update (a non-finite dense gradient, or a norm above "
                       "grad_norm_skip_threshold)")
             raise FloatingPointError(
-                f"step {self._skipped_step} was not applied: {reason}; the host STEM tables cannot skip a step (the "
+                f"step {self._pending_step} was not applied: {reason}; the host STEM tables cannot skip a step (the "
                 f"next step's rows wait for this one's update). Resume from the last checkpoint with a lower "
                 f"train.lr or train.clip_grad")
 
