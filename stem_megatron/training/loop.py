@@ -26,6 +26,7 @@ from stem_megatron.training.run_summary import StepClock, start_block
 from stem_megatron.training.setup import Trainer, setup_model
 from stem_megatron.training.spikes import SpikeDetector
 from stem_megatron.training.step import train_step
+from stem_megatron.training.train_state import TrainState
 from stem_megatron.training.validation import check_size, validation_loss
 from stem_megatron.training.wandb_run import WandbTracker
 
@@ -85,7 +86,6 @@ def _train(cfg: RunConfig, dp: int) -> list[dict]:
     if resumed >= t.steps and rank0:
         print(f"nothing to train: the checkpoint is at step {resumed} of train.steps={t.steps} (for a new run, "
               f"set checkpoint.resume=false or another out_dir)", flush=True)
-    last = t.steps if t.exit_after_steps is None else min(t.steps, resumed + t.exit_after_steps)
     n_micro = t.global_batch_size // (t.micro_batch_size * dp)
     if rank0:
         print(f"run directory: {cfg.out_dir}", flush=True)
@@ -104,12 +104,14 @@ def _train(cfg: RunConfig, dp: int) -> list[dict]:
     if rank0:
         stopped_file.unlink(missing_ok=True)  # an earlier job's stop: this one resumed from it
     signals = StopSignals(t.stop_deadline_s, dist.new_group(backend="gloo"))  # every rank, here: a collective
-    saved_at, stopped, clock = time.monotonic(), None, StepClock(last)
+    state = TrainState.resuming(t, resumed)
+    clock = StepClock(state.last)
     with signals, WandbTracker(cfg.out_dir, dataclasses.asdict(cfg), project=lg.project, mode=lg.wandb_mode,
                                name=lg.run_name, tags=lg.tags, entity=lg.entity, group=lg.group,
                                enabled=rank0 and lg.wandb) as tracker, \
-            batch_stream(train_data, cfg, dp, trainer.store, n_micro, start_step=resumed, steps=last - resumed) as data:
-        for step in range(resumed + 1, last + 1):
+            batch_stream(train_data, cfg, dp, trainer.store, n_micro, start_step=resumed,
+                         steps=state.last - resumed) as data:
+        for step in state.steps():
             start = time.perf_counter()
             with profiled(rank0 and step == lg.profile_step, cfg.out_dir, step), \
                     collective_audit.audited(step == lg.collective_audit, cfg.out_dir, step), \
@@ -137,21 +139,22 @@ def _train(cfg: RunConfig, dp: int) -> list[dict]:
                 writer.log(record)
                 tracker.log(record)
             saved = None
-            if c.save and (step == last or (c.save_interval and step % c.save_interval == 0) or decided.save_due
+            if c.save and (step == state.last or (c.save_interval and step % c.save_interval == 0) or decided.save_due
                            or decided.stop):
                 saved = checkpoints.save(cfg, trainer, detector, step)
-                saved_at = time.monotonic()
+                state.saved_at = time.monotonic()
                 if rank0:
                     print(f"saved checkpoint {saved}", flush=True)
-            if decided.stop and step < last:
-                stopped = step
+            if decided.stop and step < state.last:
+                state.stopped = step
                 if rank0:
                     _say_stopped(stopped_file, step, decided.stop, saved)
                 break
-            due = c.save_interval_min > 0 and time.monotonic() - saved_at >= 60 * c.save_interval_min
+            due = c.save_interval_min > 0 and time.monotonic() - state.saved_at >= 60 * c.save_interval_min
             signals.send(save_due=due)
     writer.close()
-    if cfg.checkpoint.export and last == t.steps and resumed < t.steps and stopped is None:  # exported already
+    if (cfg.checkpoint.export and state.last == t.steps and resumed < t.steps  # exported already
+            and state.stopped is None):
         tokenizer = Path(cfg.data.dir) / "tokenizer.json"
         export(cfg, trainer, Path(cfg.checkpoint.export), tokenizer if tokenizer.exists() else None)
     return records
