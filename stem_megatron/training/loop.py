@@ -17,11 +17,10 @@ from stem_megatron.config import RunConfig, validate
 from stem_megatron.export.writer import export
 from stem_megatron.flops.mfu import device_peak_tflops, model_flops_per_token, throughput_metrics
 from stem_megatron.model.hash_moe import take_moe_stats
-from stem_megatron.training import collective_audit, sync_audit
+from stem_megatron.training.components.probes import Probes
 from stem_megatron.training.data_stream import batch_stream, run_datasets
 from stem_megatron.training.metrics_file import MetricsWriter
 from stem_megatron.training.preemption import StopSignals
-from stem_megatron.training.profiling import profiled
 from stem_megatron.training.run_summary import StepClock, start_block
 from stem_megatron.training.setup import Trainer, setup_model
 from stem_megatron.training.spikes import SpikeDetector
@@ -105,7 +104,7 @@ def _train(cfg: RunConfig, dp: int) -> list[dict]:
         stopped_file.unlink(missing_ok=True)  # an earlier job's stop: this one resumed from it
     signals = StopSignals(t.stop_deadline_s, dist.new_group(backend="gloo"))  # every rank, here: a collective
     state = TrainState.resuming(t, resumed)
-    clock = StepClock(state.last)
+    clock, probes = StepClock(state.last), Probes(cfg)
     with signals, WandbTracker(cfg.out_dir, dataclasses.asdict(cfg), project=lg.project, mode=lg.wandb_mode,
                                name=lg.run_name, tags=lg.tags, entity=lg.entity, group=lg.group,
                                enabled=rank0 and lg.wandb) as tracker, \
@@ -113,9 +112,7 @@ def _train(cfg: RunConfig, dp: int) -> list[dict]:
                          steps=state.last - resumed) as data:
         for step in state.steps():
             start = time.perf_counter()
-            with profiled(rank0 and step == lg.profile_step, cfg.out_dir, step), \
-                    collective_audit.audited(step == lg.collective_audit, cfg.out_dir, step), \
-                    sync_audit.audited(step == lg.sync_audit, cfg.out_dir, step):
+            with probes.around(step):
                 out = train_step(trainer, data, n_micro, t.micro_batch_size, cfg.model.seq_length,
                                  cfg.model.vocab_size)
             elapsed = time.perf_counter() - start

@@ -1,0 +1,4 @@
+"""What the training loop calls around a step, one noun a module; each decides when it acts.
+
+- ``probes``: the profiler and the two step audits, around the step each is set to.
+"""
