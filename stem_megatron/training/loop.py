@@ -17,6 +17,7 @@ from stem_megatron.config import RunConfig, validate
 from stem_megatron.export.writer import export
 from stem_megatron.flops.mfu import device_peak_tflops, model_flops_per_token, throughput_metrics
 from stem_megatron.model.hash_moe import take_moe_stats
+from stem_megatron.training.components.loss_spikes import LossSpikes
 from stem_megatron.training.components.probes import Probes
 from stem_megatron.training.data_stream import batch_stream, run_datasets
 from stem_megatron.training.metrics_file import MetricsWriter
@@ -80,8 +81,8 @@ def _train(cfg: RunConfig, dp: int) -> list[dict]:
         check_size(cfg, len(valid_data))
     trainer = setup_model(cfg)
     lg = cfg.logging
-    detector = SpikeDetector(lg.spike_window, lg.spike_k, lg.spike_warmup, detrend=lg.spike_detrend)
-    resumed = _resume(cfg, trainer, detector)
+    spikes = LossSpikes(lg)
+    resumed = _resume(cfg, trainer, spikes.detector)
     if resumed >= t.steps and rank0:
         print(f"nothing to train: the checkpoint is at step {resumed} of train.steps={t.steps} (for a new run, "
               f"set checkpoint.resume=false or another out_dir)", flush=True)
@@ -123,14 +124,12 @@ def _train(cfg: RunConfig, dp: int) -> list[dict]:
             record.update(take_moe_stats(trainer.model))
             record.update(throughput_metrics(record["tokens_per_s"], flops_per_token, peak_tflops,
                                              dist.get_world_size()))
-            record.update(detector.update(record["loss"]))
+            record.update(spikes.check(record))
             if t.eval_iters and (step == t.steps or (t.eval_interval and step % t.eval_interval == 0)):
                 record.update(validation_loss(trainer, valid_data, cfg, dp))
             records.append(record)
             decided = signals.decided()
-            if record["loss_spike"] and rank0 and record["loss_spike_size"] is not None:
-                print(f"loss spike at step {step}: {record['loss']:.4f} is {record['loss_spike_size']:.1f} "
-                      f"std above the recent losses ({record['loss_spike_count']} so far)", flush=True)
+            spikes.say(record)
             if (step % t.log_interval == 0 or step == t.steps or record["loss_spike"] or "valid_loss" in record
                     or decided.stop):
                 writer.log(record)
@@ -138,7 +137,7 @@ def _train(cfg: RunConfig, dp: int) -> list[dict]:
             saved = None
             if c.save and (step == state.last or (c.save_interval and step % c.save_interval == 0) or decided.save_due
                            or decided.stop):
-                saved = checkpoints.save(cfg, trainer, detector, step)
+                saved = checkpoints.save(cfg, trainer, spikes.detector, step)
                 state.saved_at = time.monotonic()
                 if rank0:
                     print(f"saved checkpoint {saved}", flush=True)
