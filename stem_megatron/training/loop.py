@@ -15,14 +15,13 @@ from stem_megatron.checkpoint import manager as checkpoints
 from stem_megatron.checkpoint.atomic import CheckpointError, resolve
 from stem_megatron.config import RunConfig, validate
 from stem_megatron.export.writer import export
-from stem_megatron.flops.mfu import device_peak_tflops, model_flops_per_token, throughput_metrics
-from stem_megatron.model.hash_moe import take_moe_stats
 from stem_megatron.training.components.loss_spikes import LossSpikes
 from stem_megatron.training.components.probes import Probes
+from stem_megatron.training.components.step_meter import StepMeter
 from stem_megatron.training.data_stream import batch_stream, run_datasets
 from stem_megatron.training.metrics_file import MetricsWriter
 from stem_megatron.training.preemption import StopSignals
-from stem_megatron.training.run_summary import StepClock, start_block
+from stem_megatron.training.run_summary import start_block
 from stem_megatron.training.setup import Trainer, setup_model
 from stem_megatron.training.spikes import SpikeDetector
 from stem_megatron.training.step import train_step
@@ -95,17 +94,14 @@ def _train(cfg: RunConfig, dp: int) -> list[dict]:
         Path(cfg.out_dir).mkdir(parents=True, exist_ok=True)
         (Path(cfg.out_dir) / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
     writer = MetricsWriter(cfg.out_dir, rank0, t.steps, resume_step=resumed)
-    flops_per_token = model_flops_per_token(cfg.model, cfg.stem)
-    peak_tflops = lg.peak_tflops or device_peak_tflops()
     records = []
-    tokens_per_step = t.global_batch_size * cfg.model.seq_length
     c = cfg.checkpoint
     stopped_file = Path(cfg.out_dir) / STOPPED
     if rank0:
         stopped_file.unlink(missing_ok=True)  # an earlier job's stop: this one resumed from it
     signals = StopSignals(t.stop_deadline_s, dist.new_group(backend="gloo"))  # every rank, here: a collective
     state = TrainState.resuming(t, resumed)
-    clock, probes = StepClock(state.last), Probes(cfg)
+    meter, probes = StepMeter(cfg, trainer, state.last), Probes(cfg)
     with signals, WandbTracker(cfg.out_dir, dataclasses.asdict(cfg), project=lg.project, mode=lg.wandb_mode,
                                name=lg.run_name, tags=lg.tags, entity=lg.entity, group=lg.group,
                                enabled=rank0 and lg.wandb) as tracker, \
@@ -116,14 +112,7 @@ def _train(cfg: RunConfig, dp: int) -> list[dict]:
             with probes.around(step):
                 out = train_step(trainer, data, n_micro, t.micro_batch_size, cfg.model.seq_length,
                                  cfg.model.vocab_size)
-            elapsed = time.perf_counter() - start
-            record = {"step": step, **out, "step_time_s": elapsed, "tokens": step * tokens_per_step,
-                      "tokens_per_s": tokens_per_step / elapsed, **clock.tick(step)}
-            if trainer.store is not None:
-                record.update(trainer.store.take_stats(), stem_prefetch_wait_s=data.take_wait_s())
-            record.update(take_moe_stats(trainer.model))
-            record.update(throughput_metrics(record["tokens_per_s"], flops_per_token, peak_tflops,
-                                             dist.get_world_size()))
+            record = meter.record(step, out, time.perf_counter() - start, data)
             record.update(spikes.check(record))
             if t.eval_iters and (step == t.steps or (t.eval_interval and step % t.eval_interval == 0)):
                 record.update(validation_loss(trainer, valid_data, cfg, dp))

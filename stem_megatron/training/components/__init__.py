@@ -1,5 +1,6 @@
 """What the training loop calls around a step, one noun a module; each decides when it acts.
 
 - ``probes``: the profiler and the two step audits, around the step each is set to.
+- ``step_meter``: the step's record from what it measured (time, tokens, the tables' and Hash-MoE's counters).
 - ``loss_spikes``: its fields in the step record, and a line for a spike.
 """
