@@ -18,6 +18,7 @@ from stem_megatron.export.writer import export
 from stem_megatron.training.components.loss_spikes import LossSpikes
 from stem_megatron.training.components.probes import Probes
 from stem_megatron.training.components.step_meter import StepMeter
+from stem_megatron.training.components.validator import Validator
 from stem_megatron.training.data_stream import batch_stream, run_datasets
 from stem_megatron.training.metrics_file import MetricsWriter
 from stem_megatron.training.preemption import StopSignals
@@ -26,7 +27,6 @@ from stem_megatron.training.setup import Trainer, setup_model
 from stem_megatron.training.spikes import SpikeDetector
 from stem_megatron.training.step import train_step
 from stem_megatron.training.train_state import TrainState
-from stem_megatron.training.validation import check_size, validation_loss
 from stem_megatron.training.wandb_run import WandbTracker
 
 
@@ -76,8 +76,7 @@ def _train(cfg: RunConfig, dp: int) -> list[dict]:
     t = cfg.train
     rank0 = dist.get_rank() == 0
     train_data, valid_data = run_datasets(cfg)  # collective: rank 0 builds megatron's indices first
-    if t.eval_iters:
-        check_size(cfg, len(valid_data))
+    validator = Validator(cfg, valid_data, dp)
     trainer = setup_model(cfg)
     lg = cfg.logging
     spikes = LossSpikes(lg)
@@ -114,8 +113,7 @@ def _train(cfg: RunConfig, dp: int) -> list[dict]:
                                  cfg.model.vocab_size)
             record = meter.record(step, out, time.perf_counter() - start, data)
             record.update(spikes.check(record))
-            if t.eval_iters and (step == t.steps or (t.eval_interval and step % t.eval_interval == 0)):
-                record.update(validation_loss(trainer, valid_data, cfg, dp))
+            record.update(validator.validate(trainer, step))
             records.append(record)
             decided = signals.decided()
             spikes.say(record)

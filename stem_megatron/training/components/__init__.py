@@ -2,5 +2,5 @@
 
 - ``probes``: the profiler and the two step audits, around the step each is set to.
 - ``step_meter``: the step's record from what it measured (time, tokens, the tables' and Hash-MoE's counters).
-- ``loss_spikes``: its fields in the step record, and a line for a spike.
+- ``loss_spikes``, ``validator``: their fields in the step record; a line for a spike.
 """
