@@ -17,17 +17,16 @@ from stem_megatron.config import RunConfig, validate
 from stem_megatron.export.writer import export
 from stem_megatron.training.components.loss_spikes import LossSpikes
 from stem_megatron.training.components.probes import Probes
+from stem_megatron.training.components.step_log import StepLog
 from stem_megatron.training.components.step_meter import StepMeter
 from stem_megatron.training.components.validator import Validator
 from stem_megatron.training.data_stream import batch_stream, run_datasets
-from stem_megatron.training.metrics_file import MetricsWriter
 from stem_megatron.training.preemption import StopSignals
 from stem_megatron.training.run_summary import start_block
 from stem_megatron.training.setup import Trainer, setup_model
 from stem_megatron.training.spikes import SpikeDetector
 from stem_megatron.training.step import train_step
 from stem_megatron.training.train_state import TrainState
-from stem_megatron.training.wandb_run import WandbTracker
 
 
 def run(cfg: RunConfig) -> list[dict]:
@@ -78,8 +77,7 @@ def _train(cfg: RunConfig, dp: int) -> list[dict]:
     train_data, valid_data = run_datasets(cfg)  # collective: rank 0 builds megatron's indices first
     validator = Validator(cfg, valid_data, dp)
     trainer = setup_model(cfg)
-    lg = cfg.logging
-    spikes = LossSpikes(lg)
+    spikes = LossSpikes(cfg.logging)
     resumed = _resume(cfg, trainer, spikes.detector)
     if resumed >= t.steps and rank0:
         print(f"nothing to train: the checkpoint is at step {resumed} of train.steps={t.steps} (for a new run, "
@@ -92,7 +90,6 @@ def _train(cfg: RunConfig, dp: int) -> list[dict]:
             print(line, flush=True)
         Path(cfg.out_dir).mkdir(parents=True, exist_ok=True)
         (Path(cfg.out_dir) / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
-    writer = MetricsWriter(cfg.out_dir, rank0, t.steps, resume_step=resumed)
     records = []
     c = cfg.checkpoint
     stopped_file = Path(cfg.out_dir) / STOPPED
@@ -101,11 +98,8 @@ def _train(cfg: RunConfig, dp: int) -> list[dict]:
     signals = StopSignals(t.stop_deadline_s, dist.new_group(backend="gloo"))  # every rank, here: a collective
     state = TrainState.resuming(t, resumed)
     meter, probes = StepMeter(cfg, trainer, state.last), Probes(cfg)
-    with signals, WandbTracker(cfg.out_dir, dataclasses.asdict(cfg), project=lg.project, mode=lg.wandb_mode,
-                               name=lg.run_name, tags=lg.tags, entity=lg.entity, group=lg.group,
-                               enabled=rank0 and lg.wandb) as tracker, \
-            batch_stream(train_data, cfg, dp, trainer.store, n_micro, start_step=resumed,
-                         steps=state.last - resumed) as data:
+    with signals, StepLog(cfg, resumed) as step_log, batch_stream(
+            train_data, cfg, dp, trainer.store, n_micro, start_step=resumed, steps=state.last - resumed) as data:
         for step in state.steps():
             start = time.perf_counter()
             with probes.around(step):
@@ -117,10 +111,7 @@ def _train(cfg: RunConfig, dp: int) -> list[dict]:
             records.append(record)
             decided = signals.decided()
             spikes.say(record)
-            if (step % t.log_interval == 0 or step == t.steps or record["loss_spike"] or "valid_loss" in record
-                    or decided.stop):
-                writer.log(record)
-                tracker.log(record)
+            step_log.log(record, decided)
             saved = None
             if c.save and (step == state.last or (c.save_interval and step % c.save_interval == 0) or decided.save_due
                            or decided.stop):
@@ -135,7 +126,6 @@ def _train(cfg: RunConfig, dp: int) -> list[dict]:
                 break
             due = c.save_interval_min > 0 and time.monotonic() - state.saved_at >= 60 * c.save_interval_min
             signals.send(save_due=due)
-    writer.close()
     if (cfg.checkpoint.export and state.last == t.steps and resumed < t.steps  # exported already
             and state.stopped is None):
         tokenizer = Path(cfg.data.dir) / "tokenizer.json"

@@ -3,4 +3,5 @@
 - ``probes``: the profiler and the two step audits, around the step each is set to.
 - ``step_meter``: the step's record from what it measured (time, tokens, the tables' and Hash-MoE's counters).
 - ``loss_spikes``, ``validator``: their fields in the step record; a line for a spike.
+- ``step_log``: ``metrics.jsonl``, the console's step line and W&B, for the steps kept.
 """
