@@ -11,10 +11,9 @@ from pathlib import Path
 import torch.distributed as dist
 
 from stem_megatron import parallel
-from stem_megatron.checkpoint import manager as checkpoints
-from stem_megatron.checkpoint.atomic import CheckpointError, resolve
 from stem_megatron.config import RunConfig, validate
 from stem_megatron.export.writer import export
+from stem_megatron.training.components.checkpointer import Checkpointer
 from stem_megatron.training.components.loss_spikes import LossSpikes
 from stem_megatron.training.components.probes import Probes
 from stem_megatron.training.components.step_log import StepLog
@@ -23,8 +22,7 @@ from stem_megatron.training.components.validator import Validator
 from stem_megatron.training.data_stream import batch_stream, run_datasets
 from stem_megatron.training.preemption import StopSignals
 from stem_megatron.training.run_summary import start_block
-from stem_megatron.training.setup import Trainer, setup_model
-from stem_megatron.training.spikes import SpikeDetector
+from stem_megatron.training.setup import setup_model
 from stem_megatron.training.step import train_step
 from stem_megatron.training.train_state import TrainState
 
@@ -41,36 +39,6 @@ def run(cfg: RunConfig) -> list[dict]:
         parallel.destroy()
 
 
-def _resume(cfg: RunConfig, trainer: Trainer, detector: SpikeDetector) -> int:
-    """Load the checkpoint this run continues from (or the weights it starts from); returns the step."""
-    found = checkpoints.find(cfg)
-    if found is not None:
-        path, manifest = found
-        step = checkpoints.load(path, manifest, cfg, trainer, detector)
-        if dist.get_rank() == 0:
-            print(f"resumed from {path} after step {step}", flush=True)
-        return step
-    if cfg.checkpoint.init_from:
-        source = resolve(Path(cfg.checkpoint.init_from))
-        if source is None:
-            raise CheckpointError(f"checkpoint.init_from={cfg.checkpoint.init_from} holds no checkpoint")
-        checkpoints.init_weights(source, cfg, trainer)
-        if dist.get_rank() == 0:
-            print(f"initialised weights and STEM tables from {source}", flush=True)
-    return 0
-
-
-STOPPED = "stopped.json"  # in out_dir while the run is stopped by a signal: the launcher requeues such a job
-
-
-def _say_stopped(path: Path, step: int, sig, saved) -> None:
-    """One line, and ``STOPPED`` for the launcher (rank 0)."""
-    path.write_text(json.dumps({"step": step, "signal": sig.name, "checkpoint": str(saved) if saved else None}))
-    where = (f"checkpoint {saved}; the same command resumes there" if saved else
-             "no checkpoint (checkpoint.save=false)")
-    print(f"stopped after step {step} on {sig.name}: {where}", flush=True)
-
-
 def _train(cfg: RunConfig, dp: int) -> list[dict]:
     t = cfg.train
     rank0 = dist.get_rank() == 0
@@ -78,10 +46,8 @@ def _train(cfg: RunConfig, dp: int) -> list[dict]:
     validator = Validator(cfg, valid_data, dp)
     trainer = setup_model(cfg)
     spikes = LossSpikes(cfg.logging)
-    resumed = _resume(cfg, trainer, spikes.detector)
-    if resumed >= t.steps and rank0:
-        print(f"nothing to train: the checkpoint is at step {resumed} of train.steps={t.steps} (for a new run, "
-              f"set checkpoint.resume=false or another out_dir)", flush=True)
+    checkpointer = Checkpointer(cfg, trainer, spikes.detector)
+    resumed = checkpointer.resume()
     n_micro = t.global_batch_size // (t.micro_batch_size * dp)
     if rank0:
         print(f"run directory: {cfg.out_dir}", flush=True)
@@ -91,10 +57,6 @@ def _train(cfg: RunConfig, dp: int) -> list[dict]:
         Path(cfg.out_dir).mkdir(parents=True, exist_ok=True)
         (Path(cfg.out_dir) / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
     records = []
-    c = cfg.checkpoint
-    stopped_file = Path(cfg.out_dir) / STOPPED
-    if rank0:
-        stopped_file.unlink(missing_ok=True)  # an earlier job's stop: this one resumed from it
     signals = StopSignals(t.stop_deadline_s, dist.new_group(backend="gloo"))  # every rank, here: a collective
     state = TrainState.resuming(t, resumed)
     meter, probes = StepMeter(cfg, trainer, state.last), Probes(cfg)
@@ -112,20 +74,10 @@ def _train(cfg: RunConfig, dp: int) -> list[dict]:
             decided = signals.decided()
             spikes.say(record)
             step_log.log(record, decided)
-            saved = None
-            if c.save and (step == state.last or (c.save_interval and step % c.save_interval == 0) or decided.save_due
-                           or decided.stop):
-                saved = checkpoints.save(cfg, trainer, spikes.detector, step)
-                state.saved_at = time.monotonic()
-                if rank0:
-                    print(f"saved checkpoint {saved}", flush=True)
-            if decided.stop and step < state.last:
-                state.stopped = step
-                if rank0:
-                    _say_stopped(stopped_file, step, decided.stop, saved)
+            saved = checkpointer.save(state, decided)
+            if checkpointer.stops(state, decided, saved):
                 break
-            due = c.save_interval_min > 0 and time.monotonic() - state.saved_at >= 60 * c.save_interval_min
-            signals.send(save_due=due)
+            signals.send(save_due=checkpointer.due(state))
     if (cfg.checkpoint.export and state.last == t.steps and resumed < t.steps  # exported already
             and state.stopped is None):
         tokenizer = Path(cfg.data.dir) / "tokenizer.json"

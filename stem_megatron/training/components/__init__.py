@@ -4,4 +4,5 @@
 - ``step_meter``: the step's record from what it measured (time, tokens, the tables' and Hash-MoE's counters).
 - ``loss_spikes``, ``validator``: their fields in the step record; a line for a spike.
 - ``step_log``: ``metrics.jsonl``, the console's step line and W&B, for the steps kept.
+- ``checkpointer``: the checkpoint resumed from, saves by step, time or signal, a stop's ``stopped.json``.
 """
