@@ -133,6 +133,17 @@ def _no_world_left_behind():
             parallel.destroy()
 
 
+@pytest.fixture
+def world_of_one():
+    """A one-rank gloo world in the pytest process, for code that asks its rank or issues a collective (no port, no
+    process); ended with the test."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
 @pytest.fixture(autouse=True)
 def _own_rendezvous_env(monkeypatch):
     """A test that loads a model in the pytest process starts a world of one there, which sets MASTER_PORT and

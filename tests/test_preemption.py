@@ -155,3 +155,24 @@ def test_saves_by_time_land_on_one_step(runs, tmp_path):
     run = train(runs.corpus, tmp_path, "parallel=dp2", "train.steps=4", "checkpoint.save_interval_min=1e-6", nproc=2)
     saved = [line.rsplit("/", 1)[-1] for line in run.stdout.splitlines() if line.startswith("saved checkpoint")]
     assert saved == ["step_000002", "step_000003", "step_000004"], run.stdout
+
+
+def test_a_signal_and_a_save_due_reach_every_rank_at_the_next_step_s_decision(world_of_one, capsys):
+    """In the pytest process, a world of one: what a rank sends at a step's end is the decision at the next step's;
+    the first decision after a signal says it once (rank 0); the handlers are the process' again after the run."""
+    import torch.distributed as dist
+
+    from stem_megatron.training.preemption import Decision, StopSignals
+
+    before = signal.getsignal(signal.SIGUSR1)
+    with StopSignals(60, dist.new_group(backend="gloo")) as signals:
+        assert signals.decided() == Decision()  # nothing sent before the first step
+        signals.send(save_due=True)
+        assert signals.decided() == Decision(save_due=True)
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert signals.decided() == Decision()  # the signal came after this step's exchange was sent
+        signals.send(save_due=False)
+        assert signals.decided() == Decision(stop=signal.SIGUSR1)
+        signals.send(save_due=False)
+    assert signal.getsignal(signal.SIGUSR1) is before
+    assert capsys.readouterr().out.count("SIGUSR1: finishing the step in flight, then a checkpoint and stop") == 1

@@ -1,1 +1,1 @@
-"""Training: optimizer/schedule, the per-step schedule call, metrics, the run loop."""
+"""Training: optimizer/schedule, the per-step schedule call, metrics, the run loop and its components."""

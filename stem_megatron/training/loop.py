@@ -1,33 +1,28 @@
-"""The training run: validate, start process groups, build model/optimizer/data, step, log."""
+"""The training run: validate, start process groups, then the loop: a step and the calls of the components
+(``components/``) around it, each of which decides when it acts."""
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import os
 import time
-from pathlib import Path
 
 import torch.distributed as dist
 
 from stem_megatron import parallel
-from stem_megatron.checkpoint import manager as checkpoints
-from stem_megatron.checkpoint.atomic import CheckpointError, resolve
 from stem_megatron.config import RunConfig, validate
-from stem_megatron.export.writer import export
-from stem_megatron.flops.mfu import device_peak_tflops, model_flops_per_token, throughput_metrics
-from stem_megatron.model.hash_moe import take_moe_stats
-from stem_megatron.training import collective_audit, sync_audit
+from stem_megatron.training.components.checkpointer import Checkpointer
+from stem_megatron.training.components.exporter import Exporter
+from stem_megatron.training.components.loss_spikes import LossSpikes
+from stem_megatron.training.components.probes import Probes
+from stem_megatron.training.components.step_log import StepLog
+from stem_megatron.training.components.step_meter import StepMeter
+from stem_megatron.training.components.validator import Validator
 from stem_megatron.training.data_stream import batch_stream, run_datasets
-from stem_megatron.training.metrics_file import MetricsWriter
 from stem_megatron.training.preemption import StopSignals
-from stem_megatron.training.profiling import profiled
-from stem_megatron.training.run_summary import StepClock, start_block
-from stem_megatron.training.setup import Trainer, setup_model
-from stem_megatron.training.spikes import SpikeDetector
+from stem_megatron.training.run_summary import say_start
+from stem_megatron.training.setup import setup_model
 from stem_megatron.training.step import train_step
-from stem_megatron.training.validation import check_size, validation_loss
-from stem_megatron.training.wandb_run import WandbTracker
+from stem_megatron.training.train_state import TrainState
 
 
 def run(cfg: RunConfig) -> list[dict]:
@@ -42,116 +37,36 @@ def run(cfg: RunConfig) -> list[dict]:
         parallel.destroy()
 
 
-def _resume(cfg: RunConfig, trainer: Trainer, detector: SpikeDetector) -> int:
-    """Load the checkpoint this run continues from (or the weights it starts from); returns the step."""
-    found = checkpoints.find(cfg)
-    if found is not None:
-        path, manifest = found
-        step = checkpoints.load(path, manifest, cfg, trainer, detector)
-        if dist.get_rank() == 0:
-            print(f"resumed from {path} after step {step}", flush=True)
-        return step
-    if cfg.checkpoint.init_from:
-        source = resolve(Path(cfg.checkpoint.init_from))
-        if source is None:
-            raise CheckpointError(f"checkpoint.init_from={cfg.checkpoint.init_from} holds no checkpoint")
-        checkpoints.init_weights(source, cfg, trainer)
-        if dist.get_rank() == 0:
-            print(f"initialised weights and STEM tables from {source}", flush=True)
-    return 0
-
-
-STOPPED = "stopped.json"  # in out_dir while the run is stopped by a signal: the launcher requeues such a job
-
-
-def _say_stopped(path: Path, step: int, sig, saved) -> None:
-    """One line, and ``STOPPED`` for the launcher (rank 0)."""
-    path.write_text(json.dumps({"step": step, "signal": sig.name, "checkpoint": str(saved) if saved else None}))
-    where = (f"checkpoint {saved}; the same command resumes there" if saved else
-             "no checkpoint (checkpoint.save=false)")
-    print(f"stopped after step {step} on {sig.name}: {where}", flush=True)
-
-
 def _train(cfg: RunConfig, dp: int) -> list[dict]:
-    t = cfg.train
-    rank0 = dist.get_rank() == 0
+    """Every rank makes these calls in this order, and so issues the collectives in them in one order."""
+    t, m = cfg.train, cfg.model
     train_data, valid_data = run_datasets(cfg)  # collective: rank 0 builds megatron's indices first
-    if t.eval_iters:
-        check_size(cfg, len(valid_data))
+    validator = Validator(cfg, valid_data, dp)
     trainer = setup_model(cfg)
-    lg = cfg.logging
-    detector = SpikeDetector(lg.spike_window, lg.spike_k, lg.spike_warmup, detrend=lg.spike_detrend)
-    resumed = _resume(cfg, trainer, detector)
-    if resumed >= t.steps and rank0:
-        print(f"nothing to train: the checkpoint is at step {resumed} of train.steps={t.steps} (for a new run, "
-              f"set checkpoint.resume=false or another out_dir)", flush=True)
-    last = t.steps if t.exit_after_steps is None else min(t.steps, resumed + t.exit_after_steps)
-    n_micro = t.global_batch_size // (t.micro_batch_size * dp)
-    if rank0:
-        print(f"run directory: {cfg.out_dir}", flush=True)
-        for line in start_block(cfg, dist.get_world_size(), int(os.environ.get("LOCAL_WORLD_SIZE", 1)),
-                                parallel.on_gpu()):
-            print(line, flush=True)
-        Path(cfg.out_dir).mkdir(parents=True, exist_ok=True)
-        (Path(cfg.out_dir) / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
-    writer = MetricsWriter(cfg.out_dir, rank0, t.steps, resume_step=resumed)
-    flops_per_token = model_flops_per_token(cfg.model, cfg.stem)
-    peak_tflops = lg.peak_tflops or device_peak_tflops()
-    records = []
-    tokens_per_step = t.global_batch_size * cfg.model.seq_length
-    c = cfg.checkpoint
-    stopped_file = Path(cfg.out_dir) / STOPPED
-    if rank0:
-        stopped_file.unlink(missing_ok=True)  # an earlier job's stop: this one resumed from it
+    spikes = LossSpikes(cfg.logging)
+    checkpointer = Checkpointer(cfg, trainer, spikes.detector)
+    resumed = checkpointer.resume()
+    say_start(cfg)
     signals = StopSignals(t.stop_deadline_s, dist.new_group(backend="gloo"))  # every rank, here: a collective
-    saved_at, stopped, clock = time.monotonic(), None, StepClock(last)
-    with signals, WandbTracker(cfg.out_dir, dataclasses.asdict(cfg), project=lg.project, mode=lg.wandb_mode,
-                               name=lg.run_name, tags=lg.tags, entity=lg.entity, group=lg.group,
-                               enabled=rank0 and lg.wandb) as tracker, \
-            batch_stream(train_data, cfg, dp, trainer.store, n_micro, start_step=resumed, steps=last - resumed) as data:
-        for step in range(resumed + 1, last + 1):
+    state = TrainState.resuming(t, resumed)
+    probes, meter, records = Probes(cfg), StepMeter(cfg, trainer, state.last), []
+    n_micro = t.global_batch_size // (t.micro_batch_size * dp)
+    with signals, StepLog(cfg, resumed) as step_log, batch_stream(
+            train_data, cfg, dp, trainer.store, n_micro, start_step=resumed, steps=state.last - resumed) as data:
+        for step in state.steps():
             start = time.perf_counter()
-            with profiled(rank0 and step == lg.profile_step, cfg.out_dir, step), \
-                    collective_audit.audited(step == lg.collective_audit, cfg.out_dir, step), \
-                    sync_audit.audited(step == lg.sync_audit, cfg.out_dir, step):
-                out = train_step(trainer, data, n_micro, t.micro_batch_size, cfg.model.seq_length,
-                                 cfg.model.vocab_size)
-            elapsed = time.perf_counter() - start
-            record = {"step": step, **out, "step_time_s": elapsed, "tokens": step * tokens_per_step,
-                      "tokens_per_s": tokens_per_step / elapsed, **clock.tick(step)}
-            if trainer.store is not None:
-                record.update(trainer.store.take_stats(), stem_prefetch_wait_s=data.take_wait_s())
-            record.update(take_moe_stats(trainer.model))
-            record.update(throughput_metrics(record["tokens_per_s"], flops_per_token, peak_tflops,
-                                             dist.get_world_size()))
-            record.update(detector.update(record["loss"]))
-            if t.eval_iters and (step == t.steps or (t.eval_interval and step % t.eval_interval == 0)):
-                record.update(validation_loss(trainer, valid_data, cfg, dp))
+            with probes.around(step):
+                out = train_step(trainer, data, n_micro, t.micro_batch_size, m.seq_length, m.vocab_size)
+            record = meter.record(step, out, time.perf_counter() - start, data)
+            record.update(spikes.check(record))
+            record.update(validator.validate(trainer, step))
             records.append(record)
-            decided = signals.decided()
-            if record["loss_spike"] and rank0 and record["loss_spike_size"] is not None:
-                print(f"loss spike at step {step}: {record['loss']:.4f} is {record['loss_spike_size']:.1f} "
-                      f"std above the recent losses ({record['loss_spike_count']} so far)", flush=True)
-            if (step % t.log_interval == 0 or step == t.steps or record["loss_spike"] or "valid_loss" in record
-                    or decided.stop):
-                writer.log(record)
-                tracker.log(record)
-            saved = None
-            if c.save and (step == last or (c.save_interval and step % c.save_interval == 0) or decided.save_due
-                           or decided.stop):
-                saved = checkpoints.save(cfg, trainer, detector, step)
-                saved_at = time.monotonic()
-                if rank0:
-                    print(f"saved checkpoint {saved}", flush=True)
-            if decided.stop and step < last:
-                stopped = step
-                if rank0:
-                    _say_stopped(stopped_file, step, decided.stop, saved)
+            decided = signals.decided()  # the previous step's exchange (a collective): one answer on every rank
+            spikes.say(record)
+            step_log.log(record, decided)
+            saved = checkpointer.save(state, decided)
+            if checkpointer.stops(state, decided, saved):
                 break
-            due = c.save_interval_min > 0 and time.monotonic() - saved_at >= 60 * c.save_interval_min
-            signals.send(save_due=due)
-    writer.close()
-    if cfg.checkpoint.export and last == t.steps and resumed < t.steps and stopped is None:  # exported already
-        tokenizer = Path(cfg.data.dir) / "tokenizer.json"
-        export(cfg, trainer, Path(cfg.checkpoint.export), tokenizer if tokenizer.exists() else None)
+            signals.send(save_due=checkpointer.due(state))
+    Exporter(cfg, trainer).export(state)
     return records

@@ -1,4 +1,5 @@
-"""What a run is, said once at its start, and what a step line adds: the operator's view (rank 0 prints).
+"""What a run is, said once at its start (and kept as ``config.json``), and what a step line adds: the operator's
+view (rank 0 prints).
 
 The start block names the model and its parameters (dense, STEM tables), the replaced layers, where the tables
 live, the layout over nodes and the memory plan (``flops/memory.py``, the bytes ``stem-flops --memory`` prints)
@@ -11,12 +12,15 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import json
 import os
 import resource
 import time
+from pathlib import Path
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 
 from stem_megatron.config import RunConfig
 from stem_megatron.flops.arch import arch_from_model_config
@@ -25,7 +29,7 @@ from stem_megatron.flops.params import analytic_parameters
 from stem_megatron.flops.variants import variant_from_stem_config
 from stem_megatron.host_tables.node import free_space
 from stem_megatron.layer_plan import planned_layers
-from stem_megatron.parallel import have_transformer_engine
+from stem_megatron.parallel import have_transformer_engine, on_gpu
 
 
 def _count(n: int) -> str:
@@ -34,6 +38,17 @@ def _count(n: int) -> str:
 
 def _size(n: float) -> str:
     return f"{n / GIB:.2f} GiB" if n >= GIB else f"{n / 2**20:.0f} MiB"
+
+
+def say_start(cfg: RunConfig) -> None:
+    """Rank 0: the run directory and the start block, and the run's config as ``config.json`` there."""
+    if dist.get_rank() != 0:
+        return
+    print(f"run directory: {cfg.out_dir}", flush=True)
+    for line in start_block(cfg, dist.get_world_size(), int(os.environ.get("LOCAL_WORLD_SIZE", 1)), on_gpu()):
+        print(line, flush=True)
+    Path(cfg.out_dir).mkdir(parents=True, exist_ok=True)
+    (Path(cfg.out_dir) / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
 
 
 def start_block(cfg: RunConfig, world: int, ranks_per_node: int, gpu: bool) -> list[str]:
