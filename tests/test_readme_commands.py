@@ -73,8 +73,9 @@ RUNS = {
 
 
 def readme_commands() -> set[str]:
-    """The console scripts, ``python -m`` modules, benchmarks, tools and make targets the README's code names."""
-    text = (ROOT / "README.md").read_text()
+    """The console scripts, ``python -m`` modules, benchmarks, tools and make targets the README's code names, and
+    docs/running.md's (the README's detail)."""
+    text = "\n".join((ROOT / name).read_text() for name in ("README.md", "docs/running.md"))
     fenced = re.findall(r"```[a-z]*\n(.*?)```", text, re.S)
     inline = re.findall(r"`([^`]+)`", re.sub(r"```[a-z]*\n.*?```", "", text, flags=re.S))
     names = set()
