@@ -1,15 +1,17 @@
-"""Every command and benchmark the README names runs in the suite, at its smallest size: ``RUNS`` says which test
-runs each, and the first test fails when the README names one that no test runs (or a test named here is gone).
-The README's commands that no other test ran run here: ``make demo``, ``benchmarks/memory_plan.py`` and
-``tools/prepare_midtrain_mix.sh``."""
+"""Every command and benchmark README.md and docs/*.md name runs in the suite, at its smallest size: ``RUNS`` says which
+test runs each, and the first test fails when the README or docs/ name one that no test runs (or a test named here is
+gone). The commands that no other test ran run here: ``make demo``, ``benchmarks/memory_plan.py``,
+``benchmarks/stem_host.py``, ``tools/prepare_midtrain_mix.sh`` and ``tools/test_durations.py``."""
 
 import ast
+import importlib.util
 import json
 import os
 import re
 import shutil
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -17,7 +19,8 @@ from conftest import VOCAB
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# what the README names -> (the file that runs it, the test there or None for a script, how that file spells it)
+# what the README or docs/ name -> (the file that runs it, the test there or None for a script, how that file spells
+# it); a library a script imports (never run itself) -> that script, with None
 RUNS = {
     "make demo": [("tests/test_readme_commands.py", "test_make_demo_trains_at_its_smallest", '"demo"')],
     "make test": [(".ci/run", None, "make test")],  # the suite itself, as CI runs it
@@ -69,18 +72,58 @@ RUNS = {
     "tools/prepare_midtrain_mix.sh": [("tests/test_readme_commands.py",
                                        "test_prepare_midtrain_mix_builds_what_the_mix_recipe_reads",
                                        "prepare_midtrain_mix.sh")],
+    # named in docs/
+    "stem_megatron.flops": [("tests/test_flops.py", "test_cli_missing_field_exit_code",
+                             '"-m", "stem_megatron.flops"')],
+    "stem_megatron.torchrun": [("tests/test_preemption.py",
+                                "test_a_signal_mid_run_saves_where_every_rank_agrees_and_the_rerun_redoes_no_step",
+                                '"-m", "stem_megatron.torchrun"')],
+    "benchmarks/exchange_overlap.py": [("tests/test_step_benchmarks.py",
+                                        "test_exchange_overlap_runs_both_settings_on_two_nodes",
+                                        '"exchange_overlap.py"')],
+    "benchmarks/ffn_cost.py": [("tests/test_gpu_step.py", "test_make_bench_counts_two_thirds_of_the_ffn_flops",
+                                '"benchmarks/ffn_cost.py"')],
+    "benchmarks/process_tree.py": [("benchmarks/gpu_step.py", None, "from benchmarks.process_tree import"),
+                                   ("tools/gpu_check.py", None, "from benchmarks.process_tree import")],
+    "benchmarks/row_sync.py": [("tests/test_row_sync.py", "test_emulated_nodes_measure_what_the_model_predicts",
+                                '"benchmarks" / "row_sync.py"')],
+    "benchmarks/sparse_layers.py": [("tests/test_sparse_layers.py", "test_two_rounds_count_every_collective",
+                                     '"benchmarks/sparse_layers.py"')],
+    "benchmarks/stem_host.py": [("tests/test_readme_commands.py", "test_stem_host_benchmark_at_a_small_size",
+                                 '"stem_host.py"')],
+    "benchmarks/study_report.py": [("benchmarks/study.py", None, "from study_report import write_report"),
+                                   ("tests/test_study.py", "test_report_tables_from_fabricated_runs",
+                                    "from study_report import write_report")],
+    "tools/estimate_flops.py": [("tests/test_flops.py", "test_cli_qwen_json", '"tools" / "estimate_flops.py"')],
+    "tools/gpu_check.py": [("tests/test_gpu_check.py", "test_gpu_check_refuses_a_machine_without_a_gpu",
+                            '"tools" / "gpu_check.py"'),
+                           ("tests/test_gpu_check.py",
+                            "test_two_commands_in_one_lease_measure_everything_once_and_return_what_a_lease_can",
+                            "gpu_check.main(")],
+    "tools/gpu_goals.py": [("tools/gpu_check.py", None, "from tools.gpu_goals import")],
+    "tools/slurm_local.sh": [("tests/test_slurm.py", "test_pretrain_script_runs_tiny_cpu_job",  # its slurm fixture
+                              '"tools" / "slurm_local.sh"')],
+    "tools/test_durations.py": [("tests/test_readme_commands.py", "test_test_durations_writes_each_modules_seconds",
+                                 '"test_durations.py"')],
+    "tools/wandb_dashboard.py": [("tests/test_setup_check.py", "test_what_needs_no_extra_runs_without_them",
+                                  '"tools/wandb_dashboard.py", "--dry-run"]')],
+    "tools/wheelhouse.py": [("tests/test_offline_setup.py", "test_offline_setup_reuses_the_nodes_torch",
+                             '"make", "--no-print-directory", "wheelhouse"'),
+                            ("Makefile", None, "tools/wheelhouse.py")],
 }
 
 
 def readme_commands() -> set[str]:
-    """The console scripts, ``python -m`` modules, benchmarks, tools and make targets the README's code names, and
-    docs/running.md's (the README's detail)."""
-    text = "\n".join((ROOT / name).read_text() for name in ("README.md", "docs/running.md"))
+    """The console scripts (``[project.scripts]`` of pyproject.toml: not a thread's name like ``stem-adam``, a
+    variant's like ``stem-full`` or the project's), ``python -m`` modules, benchmarks, tools and make targets that the
+    code of README.md and of every docs/*.md names."""
+    scripts = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"])
+    text = "\n".join(path.read_text() for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))])
     fenced = re.findall(r"```[a-z]*\n(.*?)```", text, re.S)
     inline = re.findall(r"`([^`]+)`", re.sub(r"```[a-z]*\n.*?```", "", text, flags=re.S))
     names = set()
     for span in fenced + inline:
-        names |= set(re.findall(r"(?<![\w/-])(stem(?:-[a-z]+)+)\b", span))
+        names |= set(re.findall(r"(?<![\w/-])(stem(?:-[a-z]+)+)\b", span)) & scripts
         names |= set(re.findall(r"-m (stem_megatron[\w.]*)", span))
         names |= set(re.findall(r"\b((?:benchmarks|tools)/\w+\.(?:py|sh))\b", span))
         names |= {f"make {target}" for target in re.findall(r"\bmake ([a-z][a-z-]*)", span)}
@@ -89,8 +132,11 @@ def readme_commands() -> set[str]:
 
 def test_every_command_the_readme_names_has_a_test_that_runs_it():
     named = readme_commands()
-    assert {"make demo", "make test", "stem-train", "benchmarks/memory_plan.py", "tools/plot_metrics.py"} <= named
-    assert named - set(RUNS) == set(), "the README names these, and no test runs them: add one and list it in RUNS"
+    assert {"make demo", "make test", "stem-train", "benchmarks/memory_plan.py", "tools/plot_metrics.py",
+            "benchmarks/exchange_overlap.py", "stem_megatron.torchrun"} <= named
+    assert not {"stem-adam", "stem-full", "stem-megatron"} & named  # a thread, a variant, the project
+    assert named - set(RUNS) == set(), ("README.md or docs/ name these, and no test runs them: add one and list it in "
+                                        "RUNS")
     for command, runs in RUNS.items():
         for path, test, spelling in runs:
             source = (ROOT / path).read_text()
@@ -160,3 +206,55 @@ def test_prepare_midtrain_mix_builds_what_the_mix_recipe_reads(corpus, tmp_path)
     for name in ("stdlib-numeric", "stdlib-code"):
         assert any(name in str(part) for part in blend), blend
         assert len(IndexedDataset(str(tmp_path / name))) > 0
+
+
+# benchmarks/stem_host.py has no size flags: its main with its measurements' sizes (their defaults) small, 2 rounds
+STEM_HOST_SMALL = """
+import importlib.util, sys
+spec = importlib.util.spec_from_file_location("stem_host", sys.argv[1])
+host = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(host)
+host.ADAM_ROUNDS = 2
+host.rounds_side_by_side.__defaults__ = host.side_by_side.__defaults__ = (2,)
+host.gather_vs_memcpy.__defaults__ = host.adam_costs.__defaults__ = (512, 64, 48)  # vocab, cols, touched rows
+host.step_time.__defaults__ = (2,)
+sys.argv = ["stem_host.py", "--json"]
+host.main()
+"""
+
+
+@pytest.mark.slow
+def test_stem_host_benchmark_at_a_small_size():
+    """``benchmarks/stem_host.py --json`` in a process of its own, at tables of 512 x 64 with 48 rows touched, 2
+    rounds and 2 training steps: its three comparisons, each with every side measured."""
+    result = json.loads(_run([sys.executable, "-c", STEM_HOST_SMALL, str(ROOT / "benchmarks" / "stem_host.py")]))
+    assert set(result) == {"gather", "adam", "step"}
+    gather, adam, step = result["gather"], result["adam"], result["step"]
+    assert gather["bytes"] == 48 * 64 * 4 and gather["gather_GBps"] > 0 and gather["memcpy_GBps"] > 0
+    assert set(adam["seconds"]) == {"lazy_rows", "lazy_rows_4x_vocab", "lazy_rows_4x_vocab_spread", "dense_table",
+                                    "dense_table_4x_vocab", "kernel_contiguous_rows", "memcpy_touched_bytes",
+                                    "torch_sparse_adam"}
+    assert all(t > 0 for t in adam["seconds"].values())
+    assert (adam["unique"], adam["vocab"], adam["cols"], adam["rounds"]) == (48, 512, 64, 2)
+    assert set(step["seconds"]) == {"device", "host"} and all(t > 0 for t in step["seconds"].values())
+    assert step["host_vs_device"] == step["seconds"]["host"] / step["seconds"]["device"]
+
+
+def test_test_durations_writes_each_modules_seconds(tmp_path, monkeypatch, capsys):
+    """``tools/test_durations.py``'s main, loaded from the script (its file beside the test, not over
+    tests/durations.json), on a JUnit XML of two modules: each module's seconds summed, the longest first."""
+    spec = importlib.util.spec_from_file_location("durations_tool", ROOT / "tools" / "test_durations.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    junit = tmp_path / "suite.xml"
+    junit.write_text('<testsuites><testsuite name="pytest">'
+                     '<testcase classname="tests.test_a" name="test_x" time="1.5"/>'
+                     '<testcase classname="tests.test_a" name="test_y" time="2.0"/>'
+                     '<testcase classname="tests.test_b" name="test_z" time="10.4"/>'
+                     '</testsuite></testsuites>')
+    monkeypatch.setattr(tool, "OUT", tmp_path / "durations.json")
+    monkeypatch.setattr(sys, "argv", ["test_durations.py", str(junit)])
+    tool.main()
+    written = (tmp_path / "durations.json").read_text()
+    assert list(json.loads(written).items()) == [("tests/test_b.py", 10.4), ("tests/test_a.py", 3.5)]
+    assert capsys.readouterr().out == f"wrote {tmp_path / 'durations.json'}: 2 modules, 14 s\n"

@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
@@ -46,3 +47,28 @@ def test_update_order_reports_both_optimizers_in_both_orders_and_the_working_set
     assert len(resident) == 2 and all(len(r) == len(rows[0]) + 7 for r in resident), out
     assert all(int(r[-3].replace(",", "")) > 0 for r in resident), out  # rows entered the 64-row set each step
     assert all(int(r[-2].replace(",", "")) > 0 for r in resident), out  # rows staged ahead, by both optimizers
+
+
+@pytest.mark.slow
+def test_exchange_overlap_runs_both_settings_on_two_nodes(tmp_path):
+    """``benchmarks/exchange_overlap.py`` at its smallest: one run a setting of 2 steps (the first left out), on
+    the 128k profile's first 512 ids (a small vocabulary, the same draws). Both settings are in its JSON and its
+    table; overlapped, both STEM layers leave during backward, after it none; the same rows are sent and the losses
+    are the same bit for bit."""
+    counts = tmp_path / "counts.npy"
+    np.save(counts, np.load(REPO / "benchmarks" / "data" / "token_counts_128k.npy")[:512])
+    report = tmp_path / "overlap.json"
+    out = _run("exchange_overlap.py", "--rounds", "1", "--steps", "2", "--skip", "1", "--counts", str(counts),
+               "--out", str(tmp_path / "runs"), "--json", str(report))
+    result = json.loads(report.read_text())
+    assert set(result) == {"off", "on", "what", "vocab", "rounds", "steps", "losses_identical", "step_time_ratio"}
+    keys = {"step_time_s", "stem_exchange_wait_s", "stem_exchange_s", "stem_layers_sent_in_backward",
+            "stem_node_bytes_sent"}
+    assert set(result["off"]) == set(result["on"]) == keys
+    assert (result["what"], result["vocab"], result["rounds"], result["steps"]) == ("exchange", 512, 1, 2)
+    assert result["off"]["stem_layers_sent_in_backward"] == 0 and result["on"]["stem_layers_sent_in_backward"] == 2
+    assert result["off"]["stem_node_bytes_sent"] == result["on"]["stem_node_bytes_sent"] > 0
+    assert result["losses_identical"] is True
+    assert result["step_time_ratio"] == result["on"]["step_time_s"] / result["off"]["step_time_s"]
+    rows = [line.split()[0] for line in out.splitlines() if line.split()[:1] in (["off"], ["on"])]
+    assert rows == ["off", "on"] and "losses identical: yes" in out, out
