@@ -22,10 +22,12 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from stem_megatron.config import RunConfig, to_run_config
+from stem_megatron.config_moves import flat_stem
 
 RECIPES = str(Path(__file__).resolve().parent.parent / "recipes")
 
-# what decides a run's training (a run resumed with other values would not continue it)
+# what decides a run's training (a run resumed with other values would not continue it); "stem": the flat stem of
+# before issue 54 (config_moves.flat_stem), so a run keeps its directory
 _IGNORED = {"train": ("log_interval", "exit_after_steps", "eval_interval", "eval_iters"),
             "stem": ("prefetch_depth", "cache_rows", "shm_dir", "host_memory_gib", "overlap_exchange",
                      "overlap_update", "resident_rows")}
@@ -36,12 +38,13 @@ def _multirun() -> bool:
 
 
 def run_dir(base: str, _root_: DictConfig) -> str:
-    """``<base>-<digest of model, stem, parallel, train, data, checkpoint.init_from>``; in a sweep, the job's
-    own directory under the sweep's (``hydra.sweep.dir/hydra.sweep.subdir``)."""
+    """``<base>-<digest of model, stem, host_tables, hash_moe, parallel, train, data, checkpoint.init_from>``; in a
+    sweep, the job's own directory under the sweep's (``hydra.sweep.dir/hydra.sweep.subdir``)."""
     if _multirun():
         return HydraConfig.get().runtime.output_dir
     identity = {key: OmegaConf.to_container(_root_[key], resolve=True)
-                for key in ("model", "stem", "parallel", "train", "data")}
+                for key in ("model", "stem", "host_tables", "hash_moe", "parallel", "train", "data")}
+    identity["stem"] = flat_stem(identity["stem"], identity.pop("host_tables"), identity.pop("hash_moe"))
     for key, fields in _IGNORED.items():
         for name in fields:
             identity[key].pop(name, None)
