@@ -42,7 +42,7 @@ bench: setup
 # a deadline in seconds since the epoch, what does not fit is left; RESUME=1: keep what an earlier command measured;
 # ALL=1: the rest after, the trainings, 350M and 1B's 16 layers, the doctor; BASELINE: an earlier run's
 # gpu_step.json; DRY_RUN=1: the plan, its parts' seconds and their total, without setup or GPU; OVERRIDES: Hydra
-# overrides for every step run, e.g. stem.host_memory_gib=110 on a VM whose RAM grows as it is used)
+# overrides for every step run, e.g. host_tables.host_memory_gib=110 on a VM whose RAM grows as it is used)
 gpu-check: GPU_CHECK_SINCE := $(shell date +%s)
 gpu-check: $(if $(DRY_RUN),,setup)
 	$(if $(DRY_RUN),$(or $(PYTHON),python3),$(VENV)/bin/python) tools/gpu_check.py --since $(GPU_CHECK_SINCE) \

@@ -1,5 +1,5 @@
 """Communication overlapped with backward vs after it, side by side: the STEM row exchange
-(``--what exchange``: ``stem.overlap_exchange``) or megatron DDP's bucket reductions and weight all-gathers
+(``--what exchange``: ``host_tables.overlap_exchange``) or megatron DDP's bucket reductions and weight all-gathers
 (``--what dp``: ``parallel.overlap_grad_reduce`` and ``overlap_param_gather``, buckets of ``--bucket`` elements).
 
 Two torchrun agents on this host are two nodes (DP=2 across them, one process each): the tiny model,
@@ -65,7 +65,7 @@ def write_corpus(out: Path, counts: np.ndarray, tokens: int, doc_tokens: int = 5
 def overlap_settings(what: str, overlap: bool, bucket: int) -> list[str]:
     on = str(overlap).lower()
     if what == "exchange":
-        return [f"stem.overlap_exchange={on}"]
+        return [f"host_tables.overlap_exchange={on}"]
     return [f"parallel.overlap_grad_reduce={on}", f"parallel.overlap_param_gather={on}",
             f"parallel.ddp_bucket_size={bucket}"]
 

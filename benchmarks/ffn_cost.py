@@ -40,7 +40,14 @@ from megatron.core.transformer.spec_utils import build_module  # noqa: E402
 from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
 
 from stem_megatron import parallel  # noqa: E402
-from stem_megatron.config import ModelConfig, ParallelConfig, RunConfig, STEMConfig, TrainConfig  # noqa: E402
+from stem_megatron.config import (  # noqa: E402
+    HostTablesConfig,
+    ModelConfig,
+    ParallelConfig,
+    RunConfig,
+    STEMConfig,
+    TrainConfig,
+)
 from stem_megatron.model.gpt import transformer_config  # noqa: E402
 from stem_megatron.model.specs import stem_mlp_spec  # noqa: E402
 from stem_megatron.model.token_context import token_ids  # noqa: E402
@@ -51,10 +58,11 @@ MODEL = ModelConfig(name="bench", num_layers=6, hidden_size=256, ffn_hidden_size
                     vocab_size=4096, seq_length=128)
 MICRO_BATCH = 8
 VARIANTS = {
-    "dense": STEMConfig(variant="dense", placement="device"),
-    "stem-1/3": STEMConfig(variant="stem", ratio="1/3", placement="device"),
-    "stem-full": STEMConfig(variant="stem", ratio="full", placement="device"),
+    "dense": STEMConfig(variant="dense"),
+    "stem-1/3": STEMConfig(variant="stem", ratio="1/3"),
+    "stem-full": STEMConfig(variant="stem", ratio="full"),
 }
+ON_DEVICE = HostTablesConfig(placement="device")  # every variant's tables
 SEED = 1234
 
 
@@ -99,7 +107,7 @@ def model_cost(steps: int, warmup: int) -> dict:
     """Whole-model forward+backward matmul FLOPs and median time per token of each variant."""
     tokens_per_step = MICRO_BATCH * MODEL.seq_length
     train = TrainConfig(micro_batch_size=MICRO_BATCH, global_batch_size=MICRO_BATCH, seed=SEED)
-    models = {name: setup_model(RunConfig(model=MODEL, stem=stem, train=train)).model
+    models = {name: setup_model(RunConfig(model=MODEL, stem=stem, host_tables=ON_DEVICE, train=train)).model
               for name, stem in VARIANTS.items()}
     batch = torch.randint(0, MODEL.vocab_size, (MICRO_BATCH, MODEL.seq_length + 1))
     data = itertools.repeat({"tokens": batch[:, :-1].contiguous(), "labels": batch[:, 1:].contiguous()})

@@ -4,14 +4,14 @@ Per model, a few steps of each variant, each a `stem-train` run of its own (torc
 so a variant that runs out of memory does not take the others with it):
 
   dense                 variant=dense
-  stem_1_3_device       STEM-1/3, tables on the device (stem.placement=device; stem.clip=global, which device
-                        tables need)
-  stem_1_3_host_lazy    STEM-1/3, tables in host memory, CPU Adam on the touched rows (stem.optimizer=lazy)
-  stem_1_3_host_dense   STEM-1/3, tables in host memory, CPU Adam on every row (stem.optimizer=dense, the
+  stem_1_3_device       STEM-1/3, tables on the device (host_tables.placement=device; host_tables.clip=global, which
+                        device tables need)
+  stem_1_3_host_lazy    STEM-1/3, tables in host memory, CPU Adam on the touched rows (host_tables.optimizer=lazy)
+  stem_1_3_host_dense   STEM-1/3, tables in host memory, CPU Adam on every row (host_tables.optimizer=dense, the
                         paper recipes' setting)
   stem_full_host        STEM-full, tables in host memory, the recipe's CPU Adam
   stem_1_3_resident_lazy  STEM-1/3, host tables with a working set of 16,384 rows a layer on the device, updated
-                        there (stem.resident_rows, lazy Adam; docs/gpu_step_v2.md)
+                        there (host_tables.resident_rows, lazy Adam; docs/gpu_step_v2.md)
   stem_full_resident_lazy STEM-full, the same with 12,288 rows a layer (two steps' rows, ~9.2k, and room; at 1B
                         its 16 layers plan 55.3 GiB with it, 60.9 GiB with 16,384)
   stem_1_3_resident_dense STEM-1/3 with that working set and CPU Adam on every row (the recipe's dense Adam: the
@@ -79,25 +79,27 @@ REPO = Path(__file__).resolve().parents[1]
 GIB, MB = 2**30, 1e6
 GRACE_S = 30  # a run stopped (--timeout, --until, SIGTERM): SIGTERM to its processes, then SIGKILL after this
 
-RESIDENT = "stem.resident_rows=16384"  # the working set (docs/gpu_step_v2.md: ~6.5k distinct ids a step at 32,768)
-RESIDENT_FULL = "stem.resident_rows=12288"  # every layer a STEM layer: two steps' rows and room, 6 GiB under 16,384
+# the working set (docs/gpu_step_v2.md: ~6.5k distinct ids a step at 32,768)
+RESIDENT = "host_tables.resident_rows=16384"
+RESIDENT_FULL = "host_tables.resident_rows=12288"  # every layer a STEM layer: two steps' rows and room, 6 GiB under 16k
 FIT = "stem_1_3_resident_fit"  # its set sized at run time: the most rows the plan keeps within WITHIN_DENSE x dense's
 VARIANTS = {  # name -> (label, overrides)
     "dense": ("dense", ["variant=dense"]),
-    "stem_1_3_device": ("STEM-1/3 device tables", ["variant=stem_1_3", "stem.placement=device", "stem.clip=global"]),
-    "stem_1_3_host_lazy": ("STEM-1/3 host, lazy Adam", ["variant=stem_1_3", "stem.placement=host",
-                                                        "stem.optimizer=lazy"]),
-    "stem_1_3_host_dense": ("STEM-1/3 host, dense Adam", ["variant=stem_1_3", "stem.placement=host",
-                                                          "stem.optimizer=dense"]),
-    "stem_full_host": ("STEM-full host", ["variant=stem_full", "stem.placement=host"]),
-    "stem_1_3_resident_lazy": ("STEM-1/3 working set, lazy", ["variant=stem_1_3", "stem.placement=host",
-                                                               "stem.optimizer=lazy", RESIDENT]),
-    "stem_full_resident_lazy": ("STEM-full working set, lazy", ["variant=stem_full", "stem.placement=host",
-                                                                 "stem.optimizer=lazy", RESIDENT_FULL]),
-    "stem_1_3_resident_dense": ("STEM-1/3 working set, dense", ["variant=stem_1_3", "stem.placement=host",
-                                                                "stem.optimizer=dense", RESIDENT]),
-    FIT: ("STEM-1/3 working set, fit", ["variant=stem_1_3", "stem.placement=host",
-                                                             "stem.optimizer=lazy"]),
+    "stem_1_3_device": ("STEM-1/3 device tables", ["variant=stem_1_3", "host_tables.placement=device",
+                                                    "host_tables.clip=global"]),
+    "stem_1_3_host_lazy": ("STEM-1/3 host, lazy Adam", ["variant=stem_1_3", "host_tables.placement=host",
+                                                        "host_tables.optimizer=lazy"]),
+    "stem_1_3_host_dense": ("STEM-1/3 host, dense Adam", ["variant=stem_1_3", "host_tables.placement=host",
+                                                          "host_tables.optimizer=dense"]),
+    "stem_full_host": ("STEM-full host", ["variant=stem_full", "host_tables.placement=host"]),
+    "stem_1_3_resident_lazy": ("STEM-1/3 working set, lazy", ["variant=stem_1_3", "host_tables.placement=host",
+                                                               "host_tables.optimizer=lazy", RESIDENT]),
+    "stem_full_resident_lazy": ("STEM-full working set, lazy", ["variant=stem_full", "host_tables.placement=host",
+                                                                 "host_tables.optimizer=lazy", RESIDENT_FULL]),
+    "stem_1_3_resident_dense": ("STEM-1/3 working set, dense", ["variant=stem_1_3", "host_tables.placement=host",
+                                                                "host_tables.optimizer=dense", RESIDENT]),
+    FIT: ("STEM-1/3 working set, fit", ["variant=stem_1_3", "host_tables.placement=host",
+                                                             "host_tables.optimizer=lazy"]),
 }
 
 
@@ -224,7 +226,7 @@ def planned_bytes(overrides: list[str], nproc: int, gpu: bool, distinct: tuple[i
 
 
 def rows_within(overrides: list[str], nproc: int, gpu: bool, distinct: tuple[int, int]) -> int:
-    """The most ``stem.resident_rows`` whose plan stays within ``WITHIN_DENSE`` x dense's (0: none fits)."""
+    """The most ``host_tables.resident_rows`` whose plan stays within ``WITHIN_DENSE`` x dense's (0: none fits)."""
     from stem_megatron.flops.memory import working_set_within
     from stem_megatron.training.device_memory import run_layout
 
@@ -288,7 +290,7 @@ def run_variant(model: Model, variant: str, args, corpus: Path, vocab: int, gpu:
             result.note = (f"no working set of a step's {distinct[1]:,} rows fits within {WITHIN_DENSE:.2f}x dense's "
                            f"plan here ({rows:,} rows would)")
             return result
-        overrides.insert(len(model.overrides) + len(variant_overrides), f"stem.resident_rows={rows}")
+        overrides.insert(len(model.overrides) + len(variant_overrides), f"host_tables.resident_rows={rows}")
         result.label = f"STEM-1/3 working set {rows:,}"
     result.plan_device_bytes = planned_bytes(overrides, args.nproc, gpu is not None, distinct)
     if gpu and not args.run_all and result.plan_device_bytes and result.plan_device_bytes > gpu["total_memory"]:
@@ -319,8 +321,8 @@ def run_variant(model: Model, variant: str, args, corpus: Path, vocab: int, gpu:
     cfg = json.loads((out_dir / "config.json").read_text())
     result.tokens_per_s = cfg["train"]["global_batch_size"] * cfg["model"]["seq_length"] / result.step_time_s
     result.mfu = median([r.get("mfu") for r in timed])
-    if cfg["stem"]["variant"] != "dense" and cfg["stem"]["placement"] == "host":
-        result.optimizer = cfg["stem"]["optimizer"]
+    if cfg["stem"]["variant"] != "dense" and cfg["host_tables"]["placement"] == "host":
+        result.optimizer = cfg["host_tables"]["optimizer"]
         result.stem = {key: median([r.get(key) for r in timed]) for key in STEM_PARTS}
     profile = out_dir / f"profile_step{args.steps}.json"
     if profile.exists():
@@ -420,7 +422,7 @@ def main(argv=None) -> None:
     ap.add_argument("--counts", type=Path, default=DEFAULT_COUNTS, help="per-id token counts (.npy)")
     ap.add_argument("--out", type=Path, default=REPO / "runs" / "bench_gpu_step", help="corpora and runs")
     ap.add_argument("--json", type=Path, help="write the records here")
-    ap.add_argument("overrides", nargs="*", help="Hydra overrides for every run (e.g. stem.cache_rows=4096)")
+    ap.add_argument("overrides", nargs="*", help="Hydra overrides for every run (e.g. host_tables.cache_rows=4096)")
     args = ap.parse_args(argv)
     take_charge()  # a run's orphans come here, and a SIGTERM ends the running one's processes before this exits
     gpu = gpu_info()

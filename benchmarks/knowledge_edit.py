@@ -54,7 +54,7 @@ def train(out: Path, overrides: list[str], steps: int = 100) -> Path:
     out = out.resolve()  # data.blend resolves relative prefixes against data.dir
     facts_prefix = build(out.parent)
     shutil.rmtree(out, ignore_errors=True)  # a fresh run and export every time
-    cmd = [sys.executable, "-m", "stem_megatron.train", "parallel=single", "stem.placement=device",
+    cmd = [sys.executable, "-m", "stem_megatron.train", "parallel=single", "host_tables.placement=device",
            f"train.steps={steps}", "train.eval_iters=0", f"data.dir={DEMO_CORPUS}",
            f"data.blend=[[1,'{facts_prefix}']]", f"out_dir={out}", "checkpoint.resume=false",
            f"checkpoint.export={out / 'export'}", *overrides]

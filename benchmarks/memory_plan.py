@@ -183,11 +183,11 @@ def measure_activations(cfg) -> dict:
 
     gpu, m, s = torch.cuda.is_available(), cfg.model, cfg.stem
     mask = cfg.data.reset_attention_mask
-    host = s.placement == "host" and s.variant not in ("dense", "hash_moe")
-    config = transformer_config(m, cfg.parallel, on_gpu=gpu, stem=s)
+    host = cfg.host_tables.placement == "host" and s.variant not in ("dense", "hash_moe")
+    config = transformer_config(m, cfg.parallel, on_gpu=gpu, stem=s, hash_moe=cfg.hash_moe)
     model = build_gpt(m, s, config, row_source=ModuleSpec(module=StandInRows) if host else None,
                       use_te=gpu and have_transformer_engine(),
-                      attn_mask_type=AttnMaskType.arbitrary if mask else AttnMaskType.causal)
+                      attn_mask_type=AttnMaskType.arbitrary if mask else AttnMaskType.causal, hash_moe=cfg.hash_moe)
     for p in model.parameters():  # the gradient buffer exists before: backward's new gradients are added into it
         p.grad = torch.zeros_like(p)
     device = torch.device("cuda" if gpu else "cpu")
@@ -294,7 +294,7 @@ def main() -> None:
     rank = max(s["device_total"] for s in planned["stages"]) * (layout.device == "cpu")
     rank += (node["ranks"]["process"] - LIBRARY_BYTES + node["ranks"]["adam_gradients"]
              + node["ranks"]["pinned_rows"]) // nproc + LIBRARY_BYTES
-    measured = measure(args.overrides, nproc, cfg.stem.shm_dir)
+    measured = measure(args.overrides, nproc, cfg.host_tables.shm_dir)
     rows = [("shared memory (the run's files)", shared, measured["shm"]),
             ("ranks' own memory (+ libraries once)", sum(node["ranks"].values()), measured["ranks_own"]),
             ("node total", node["total"], measured["node"]),

@@ -373,7 +373,8 @@ def goal_check(s: Setup) -> list[str]:
             lines.append(f"  {end:<9} {name:<28} {at64 / GB:5.2f} GB = {ratio:.2f}x MoE "
                          f"[{'met' if ratio <= 0.5 else 'NOT met'}]; 256 GPUs {at256 / GB:.2f} GB "
                          f"[{'met' if at256 < at64 else 'NOT met'}]")
-    lines.append("  (owner_bf16: stem.wire_dtype=bf16; + bf16 copies: stem.read_dtype=bf16 too, rows pulled in bf16)")
+    lines.append("  (owner_bf16: host_tables.wire_dtype=bf16; + bf16 copies: host_tables.read_dtype=bf16 too, rows "
+                 "pulled in bf16)")
     return lines
 
 

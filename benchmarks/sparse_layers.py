@@ -59,6 +59,7 @@ import distributed  # noqa: E402 - tests/distributed.py: spawns gloo ranks with 
 from stem_megatron.config import (  # noqa: E402
     ConfigError,
     DataConfig,
+    HashMoEConfig,
     ModelConfig,
     ParallelConfig,
     RunConfig,
@@ -90,13 +91,12 @@ def configs(rounds: int, warmup: int, corpus: Path) -> dict[str, RunConfig]:
                         lr=1e-3, seed=SEED)
     stems = {
         "dense": (STEMConfig(variant="dense"), ParallelConfig()),
-        "stem-1/3": (STEMConfig(variant="stem", ratio="1/3", placement="host"), ParallelConfig()),
-        "hash-moe-1/3": (STEMConfig(variant="hash_moe", ratio="1/3", num_experts=EXPERTS,
-                                    expert_ffn_hidden_size=expert_ffn),
-                         ParallelConfig(expert_model_parallel_size=EP)),
+        "stem-1/3": (STEMConfig(variant="stem", ratio="1/3"), ParallelConfig()),  # host tables (the default placement)
+        "hash-moe-1/3": (STEMConfig(variant="hash_moe", ratio="1/3"), ParallelConfig(expert_model_parallel_size=EP)),
     }
     data = DataConfig(dir=str(corpus))
-    return {name: RunConfig(model=MODEL, stem=s, parallel=p, train=train, data=data)
+    experts = HashMoEConfig(num_experts=EXPERTS, expert_ffn_hidden_size=expert_ffn)
+    return {name: RunConfig(model=MODEL, stem=s, hash_moe=experts, parallel=p, train=train, data=data)
             for name, (s, p) in stems.items()}
 
 
@@ -355,7 +355,7 @@ def main() -> None:
     ranks = distributed.run(_bench, WORLD, cfgs, args.rounds, args.warmup, ep=EP, seed=SEED)
     res = summarize(ranks, args.rounds)
     seconds = time.perf_counter() - start
-    expert_ffn = cfgs["hash-moe-1/3"].stem.expert_ffn_hidden_size
+    expert_ffn = cfgs["hash-moe-1/3"].hash_moe.expert_ffn_hidden_size
     if args.json:
         print(json.dumps({"variants": res, "rounds": args.rounds, "batches": source, "experts": EXPERTS,
                           "expert_ffn_hidden_size": expert_ffn, "run_time_s": seconds}, indent=2))

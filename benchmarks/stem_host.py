@@ -37,7 +37,7 @@ require_environment()  # before torch and megatron: another Python gets `make se
 import torch  # noqa: E402
 
 from stem_megatron import parallel  # noqa: E402
-from stem_megatron.config import ModelConfig, RunConfig, STEMConfig, TrainConfig  # noqa: E402
+from stem_megatron.config import HostTablesConfig, ModelConfig, RunConfig, STEMConfig, TrainConfig  # noqa: E402
 from stem_megatron.host_tables.row_optimizer import RowAdam  # noqa: E402
 
 ROUNDS = 7
@@ -151,7 +151,8 @@ def step_time(steps: int = 12) -> dict:
     model = ModelConfig(num_layers=6, hidden_size=256, ffn_hidden_size=768, num_attention_heads=4,
                         vocab_size=4096, seq_length=128)
     train = TrainConfig(steps=steps + 2, micro_batch_size=8, global_batch_size=16, lr=1e-3)
-    trainers = {p: setup_model(RunConfig(model=model, stem=STEMConfig(ratio="1/3", placement=p), train=train))
+    trainers = {p: setup_model(RunConfig(model=model, stem=STEMConfig(ratio="1/3"),
+                                         host_tables=HostTablesConfig(placement=p), train=train))
                 for p in ("device", "host")}
     g = torch.Generator().manual_seed(0)
 

@@ -1,7 +1,8 @@
 """Reproduction study v2 (one command): three arms of Hydra sweeps, each run scored, docs/results.md written.
 
 * main: dense, STEM-1/3, 1/2, full, STEM†, STEM-gate and Hash-MoE-1/3 (``-m variant=... train.seed=...``);
-* ablation: STEM-1/3 with ``stem.table_init=scaled,xavier stem.clip=global,separate stem.optimizer=lazy,dense``;
+* ablation: STEM-1/3 with ``stem.table_init=scaled,xavier host_tables.clip=global,separate
+  host_tables.optimizer=lazy,dense``;
 * stress: dense, STEM-1/3 and Hash-MoE at ``--stress-lr`` (several times the recipe's peak), counting loss spikes.
 
 Every run is a job of ``python -m stem_megatron.train -m hydra/launcher=submitit_local ...`` (the sweep commands

@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 # recipes/variant name -> label used in the paper's Table 3
 VARIANTS = {"dense": "dense", "stem_1_3": "STEM-1/3", "stem_1_2": "STEM-1/2", "stem_full": "STEM-full",
             "stem_dagger": "STEM†", "stem_gate": "STEM-gate", "hash_moe": "Hash-MoE-1/3"}
-ABLATION = {"stem.table_init": ["scaled", "xavier"], "stem.clip": ["global", "separate"],
-            "stem.optimizer": ["lazy", "dense"]}  # first value of each: the recipes' default
+ABLATION = {"stem.table_init": ["scaled", "xavier"], "host_tables.clip": ["global", "separate"],
+            "host_tables.optimizer": ["lazy", "dense"]}  # first value of each: the recipes' default
 STRESS_VARIANTS = ["dense", "stem_1_3", "hash_moe"]
 SEED = "train.seed"
 

@@ -24,6 +24,7 @@ from stem_megatron.setup_check import require_environment  # noqa: E402
 
 require_environment()  # before torch and megatron: another Python gets `make setup`, not a traceback
 
+from stem_megatron.config_moves import upgrade_saved_config  # noqa: E402
 from stem_megatron.data.facts import Facts  # noqa: E402
 from stem_megatron.eval.facts import edit_success, fact_recall  # noqa: E402
 from stem_megatron.eval.perplexity import held_out_perplexity  # noqa: E402
@@ -36,7 +37,7 @@ from stem_megatron.model.stem_mlp import STEM_VARIANTS  # noqa: E402
 
 
 def evaluate(run_dir: Path, facts_prefix: Path, valid_windows: int, edit_pairs: int) -> dict:
-    config = json.loads((run_dir / "config.json").read_text())
+    config = upgrade_saved_config(json.loads((run_dir / "config.json").read_text()))  # runs from before issue 54
     model = InferenceModel(run_dir / "export", device="cpu")
     valid = Path(config["data"]["dir"]) / (config["data"]["valid_prefixes"] or ["valid"])[0]
     heldout = held_out_perplexity(model, valid, batch_size=16, max_windows=valid_windows)
@@ -46,10 +47,10 @@ def evaluate(run_dir: Path, facts_prefix: Path, valid_windows: int, edit_pairs: 
     edit = (edit_success(model, facts, recall["recalled"], pairs=edit_pairs) if stem["variant"] in STEM_VARIANTS
             else {"edit_success": None, "edit_flips": None, "edit_stays": None, "pairs": 0})
     arch = arch_from_model_config(config["model"])
-    params = analytic_parameters(arch, variant_from_stem_config(stem), tied=False, qkv_bias=False)
+    params = analytic_parameters(arch, variant_from_stem_config(stem, config["hash_moe"]), tied=False, qkv_bias=False)
     train = config["train"]
     tokens = train["steps"] * train["global_batch_size"] * config["model"]["seq_length"]
-    per_token = model_flops_per_token(config["model"], stem)
+    per_token = model_flops_per_token(config["model"], stem, config["hash_moe"])
     return {"valid_nll": heldout["nll"], "valid_accuracy": heldout["accuracy"], "valid_tokens": heldout["tokens"],
             "fact_recall": recall["recall"], "facts": recall["subjects"], "fact_majority": recall["majority"],
             **edit,

@@ -33,6 +33,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from study_arms import ABLATION, VARIANTS  # noqa: E402
 
+from stem_megatron.config_moves import upgrade_saved_config  # noqa: E402
 from stem_megatron.layer_plan import stem_layer_indices  # noqa: E402
 
 WARMUP_STEPS = 5  # first steps (graph warm-up, first prefetches) left out of the wall time per token
@@ -48,7 +49,7 @@ def load_run(run_dir: Path) -> dict:
             raise FileNotFoundError(f"{run_dir / name} is missing: run benchmarks/study.py to finish this run")
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
     ev = json.loads((run_dir / "eval.json").read_text()) if (run_dir / "eval.json").is_file() else {}
-    config = json.loads((run_dir / "config.json").read_text())
+    config = upgrade_saved_config(json.loads((run_dir / "config.json").read_text()))  # runs from before issue 54
     valid = [r for r in records if "valid_loss" in r]
     timed = [r for r in records if r["step"] > WARMUP_STEPS] or records
     tokens_per_step = config["train"]["global_batch_size"] * config["model"]["seq_length"]
@@ -336,7 +337,7 @@ def markdown(table: dict[str, dict], runs: dict[str, list[dict]], study: dict, f
     m, t = cfg["model"], cfg["train"]
     layers = "; ".join(f"{VARIANTS[v]} {planned(r['config'])}" for v, r in table.items() if v != "dense")
     placement = ("in host memory, updated by the DeepSpeed CPU Adam kernel (touched rows)"
-                 if cfg["stem"]["placement"] == "host" else "as device parameters")
+                 if cfg["host_tables"]["placement"] == "host" else "as device parameters")
     rel = {k: os.path.relpath(p, report.parent) for k, p in figures.items()}
     seeds = ", ".join(map(str, study["seeds"]))
     head = ("| variant | total params | active params | FLOPs/token | train FLOPs | valid loss (end) | "

@@ -1,9 +1,9 @@
 """CPU Adam of the host tables on the step's critical path: serial vs next-use first, side by side.
 
 The store's real step (one process, this machine's CPU Adam kernel) with token ids drawn from the 128k
-vocabulary's counts, lazy and dense (the recipe's) AdamW, with ``stem.overlap_update`` off (every row
+vocabulary's counts, lazy and dense (the recipe's) AdamW, with ``host_tables.overlap_update`` off (every row
 before the next step's rows are released) and on (the rows the next step reads first; the rest on a
-background thread), and with a working set of ``--resident`` rows a layer (``stem.resident_rows``: the step's
+background thread), and with a working set of ``--resident`` rows a layer (``host_tables.resident_rows``: the step's
 rows updated where the step runs). Between steps the training thread sleeps for ``--device-step`` seconds: on a
 GPU node the device runs forward and backward then and the host's cores are free, which is what the
 background part needs. Per step it prints, as medians over alternating runs: the seconds the step's end

@@ -51,6 +51,12 @@ class STEMConfig:
     # entries U_l[t] replaces | xavier: std = sqrt(2 / (vocab_size + ffn_hidden_size)), as the released code
     table_init: str = "scaled"
     table_init_std: Optional[float] = None  # overrides the std of either table_init
+
+
+@dataclass
+class HostTablesConfig:
+    """Where the STEM tables live and how they are trained (host_tables/, docs/host_tables.md)."""
+
     placement: str = "host"  # host: node-shared host memory + prefetch + CPU Adam | device: a parameter
     optimizer: str = "lazy"  # host tables: lazy (touched rows) | dense (every row, the paper's AdamW)
     # gradient clipping to train.clip_grad (docs/recipes.md): global: one norm over the dense and STEM table
@@ -71,7 +77,13 @@ class STEMConfig:
     overlap_exchange: bool = True
     # host tables: CPU Adam on the rows the next step reads first, on the others while the next step runs
     overlap_update: bool = True
-    # hash_moe (the Hash-Layer baseline): experts per replaced layer, their d_ff, the token->expert map
+
+
+@dataclass
+class HashMoEConfig:
+    """The Hash-Layer baseline (stem.variant=hash_moe, Roller et al. 2021): experts per replaced layer, their d_ff,
+    the token->expert map."""
+
     num_experts: int = 16
     expert_ffn_hidden_size: Optional[int] = None  # None: model.ffn_hidden_size
     hash_map: str = "random"  # random | frequency:<token counts .npy>
@@ -191,6 +203,8 @@ class CheckpointConfig:
 class RunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     stem: STEMConfig = field(default_factory=STEMConfig)
+    host_tables: HostTablesConfig = field(default_factory=HostTablesConfig)
+    hash_moe: HashMoEConfig = field(default_factory=HashMoEConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -234,12 +248,12 @@ def _validate_data(d: DataConfig) -> None:
 def validate(cfg: RunConfig, world_size: int) -> int:
     """Check every field that would otherwise fail deep inside megatron; returns the DP size."""
     dp = validate_layout(cfg, world_size)
-    s, c = cfg.stem, cfg.checkpoint
-    _check(s.placement != "host" or Path(s.shm_dir).is_dir(), "stem.shm_dir",
-           f"{s.shm_dir} is not a directory: give a tmpfs directory every rank of a node sees (e.g. /dev/shm)")
-    _check(s.host_memory_gib is None or s.host_memory_gib > 0, "stem.host_memory_gib",
-           f"{s.host_memory_gib} GiB: give the memory a node can give its tables, or null to read it from the machine")
-    if s.variant == "hash_moe" and cfg.parallel.tensor_model_parallel_size > 1:
+    h, c = cfg.host_tables, cfg.checkpoint
+    _check(h.placement != "host" or Path(h.shm_dir).is_dir(), "host_tables.shm_dir",
+           f"{h.shm_dir} is not a directory: give a tmpfs directory every rank of a node sees (e.g. /dev/shm)")
+    _check(h.host_memory_gib is None or h.host_memory_gib > 0, "host_tables.host_memory_gib",
+           f"{h.host_memory_gib} GiB: give the memory a node can give its tables, or null to read it from the machine")
+    if cfg.stem.variant == "hash_moe" and cfg.parallel.tensor_model_parallel_size > 1:
         _check(torch.cuda.is_available() and find_spec("transformer_engine") is not None,
                "parallel.tensor_model_parallel_size",
                "Hash-MoE with TP>1 needs sequence parallelism, which megatron-core's layers support only with "
@@ -255,7 +269,7 @@ def validate(cfg: RunConfig, world_size: int) -> int:
 def validate_layout(cfg: RunConfig, world_size: int) -> int:
     """The checks of ``validate`` that read no file and no device: the fields and their fit to a world of
     ``world_size`` ranks (also before launch, on any machine: ``stem-flops --memory``); returns the DP size."""
-    m, s, p, t = cfg.model, cfg.stem, cfg.parallel, cfg.train
+    m, s, h, p, t = cfg.model, cfg.stem, cfg.host_tables, cfg.parallel, cfg.train
     tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
     _check(tp >= 1 and pp >= 1, "parallel", "tensor/pipeline sizes must be >= 1")
     _check(
@@ -282,26 +296,27 @@ def validate_layout(cfg: RunConfig, world_size: int) -> int:
            f"{m.num_layers} layers are not divisible by pipeline_model_parallel_size={pp}")
     _check(s.variant in VARIANTS, "stem.variant", f"{s.variant!r} is not one of {sorted(VARIANTS)}")
     _check(s.ratio in RATIOS, "stem.ratio", f"{s.ratio!r} is not one of {sorted(RATIOS)}")
-    _check(s.placement in ("host", "device"), "stem.placement", f"{s.placement!r} is not 'host' or 'device'")
-    _check(s.optimizer in ("lazy", "dense"), "stem.optimizer", f"{s.optimizer!r} is not 'lazy' or 'dense'")
-    _check(s.clip in ("global", "separate"), "stem.clip",
-           f"{s.clip!r} is not 'global' or 'separate' (docs/recipes.md)")
-    _check(s.clip == "global" or s.placement == "host" or s.variant in ("dense", "hash_moe"), "stem.clip",
-           "separate clipping needs stem.placement=host: on the device the tables are parameters of megatron's "
-           "optimizer, which clips all its parameters by one norm; set stem.placement=host or stem.clip=global")
-    _check(s.wire_dtype in ("fp32", "bf16"), "stem.wire_dtype", f"{s.wire_dtype!r} is not 'fp32' or 'bf16'")
-    _check(s.read_dtype in ("fp32", "bf16"), "stem.read_dtype", f"{s.read_dtype!r} is not 'fp32' or 'bf16'")
+    _check(h.placement in ("host", "device"), "host_tables.placement", f"{h.placement!r} is not 'host' or 'device'")
+    _check(h.optimizer in ("lazy", "dense"), "host_tables.optimizer", f"{h.optimizer!r} is not 'lazy' or 'dense'")
+    _check(h.clip in ("global", "separate"), "host_tables.clip",
+           f"{h.clip!r} is not 'global' or 'separate' (docs/recipes.md)")
+    _check(h.clip == "global" or h.placement == "host" or s.variant in ("dense", "hash_moe"), "host_tables.clip",
+           "separate clipping needs host_tables.placement=host: on the device the tables are parameters of megatron's "
+           "optimizer, which clips all its parameters by one norm; set host_tables.placement=host or "
+           "host_tables.clip=global")
+    _check(h.wire_dtype in ("fp32", "bf16"), "host_tables.wire_dtype", f"{h.wire_dtype!r} is not 'fp32' or 'bf16'")
+    _check(h.read_dtype in ("fp32", "bf16"), "host_tables.read_dtype", f"{h.read_dtype!r} is not 'fp32' or 'bf16'")
     _check(s.table_init in ("scaled", "xavier"), "stem.table_init",
            f"{s.table_init!r} is not 'scaled' or 'xavier' (docs/recipes.md)")
     _check(s.table_init_std is None or s.table_init_std > 0, "stem.table_init_std", "must be > 0 or null")
-    _check(s.prefetch_depth >= 1, "stem.prefetch_depth", "must be >= 1")
-    _check(s.cache_rows >= 0, "stem.cache_rows", "must be >= 0")
-    _check(s.resident_rows >= 0, "stem.resident_rows", "must be >= 0")
-    if s.resident_rows and s.variant not in ("dense", "hash_moe"):
-        _check(s.placement == "host", "stem.resident_rows", "a working set holds host tables' rows: set "
-               "stem.placement=host or stem.resident_rows=0")
-        _check(not s.cache_rows, "stem.cache_rows", "the working set (stem.resident_rows) replaces the hot-row "
-               "cache: set stem.cache_rows=0")
+    _check(h.prefetch_depth >= 1, "host_tables.prefetch_depth", "must be >= 1")
+    _check(h.cache_rows >= 0, "host_tables.cache_rows", "must be >= 0")
+    _check(h.resident_rows >= 0, "host_tables.resident_rows", "must be >= 0")
+    if h.resident_rows and s.variant not in ("dense", "hash_moe"):
+        _check(h.placement == "host", "host_tables.resident_rows", "a working set holds host tables' rows: set "
+               "host_tables.placement=host or host_tables.resident_rows=0")
+        _check(not h.cache_rows, "host_tables.cache_rows", "the working set (host_tables.resident_rows) replaces the "
+               "hot-row cache: set host_tables.cache_rows=0")
     ep = p.expert_model_parallel_size
     _check(ep >= 1 and (world_size // pp) % ep == 0, "parallel.expert_model_parallel_size",
            f"{ep} does not divide the {world_size // pp} ranks of a pipeline stage")
@@ -312,10 +327,11 @@ def validate_layout(cfg: RunConfig, world_size: int) -> int:
         _check(p.sequence_parallel, "parallel.sequence_parallel",
                "megatron's MoE layer with tensor parallelism needs sequence parallelism: set it to true")
     if s.variant == "hash_moe":
-        _check(s.num_experts >= 1 and s.num_experts % ep == 0, "stem.num_experts",
-               f"{s.num_experts} experts are not divisible by expert_model_parallel_size={ep}")
-        _check(s.hash_map == "random" or s.hash_map.startswith("frequency:"), "stem.hash_map",
-               f"{s.hash_map!r} is not 'random' or 'frequency:<token counts .npy>'")
+        e = cfg.hash_moe
+        _check(e.num_experts >= 1 and e.num_experts % ep == 0, "hash_moe.num_experts",
+               f"{e.num_experts} experts are not divisible by expert_model_parallel_size={ep}")
+        _check(e.hash_map == "random" or e.hash_map.startswith("frequency:"), "hash_moe.hash_map",
+               f"{e.hash_map!r} is not 'random' or 'frequency:<token counts .npy>'")
     else:
         _check(ep == 1, "parallel.expert_model_parallel_size", "expert parallelism needs stem.variant=hash_moe")
     try:

@@ -7,7 +7,8 @@ group starts.
 Bad input (a setting, a checkpoint, the data, too little host memory, a run too large for its GPUs' memory) ends
 the run with one line naming the problem and the fix and exit code 1, not a traceback: each of these errors says all
 a user needs (out of device memory: what the memory plan expected per GPU and the settings that lower it). So does a sweep on
-Hydra's submitit launchers without the `slurm` extra that provides them (Hydra's own error names no package).
+Hydra's submitit launchers without the `slurm` extra that provides them (Hydra's own error names no package), and a
+key issue 54 moved out of ``stem`` (Hydra's own error names only the key it misses there).
 
 The module imports nothing heavy until ``main`` runs: a process that the training process spawns imports its
 ``__main__`` again, this module. Megatron's checkpoint writer spawned one on each rank's first save (its results
@@ -29,14 +30,20 @@ SUBMITIT_LAUNCHERS = {"submitit_local", "submitit_slurm", "slurm"}
 
 def main() -> None:
     """The entry point: Hydra's ``train``, after naming the `slurm` extra when a sweep asks for one of its launchers
-    and this Python lacks it."""
+    and this Python lacks it, and after refusing a key issue 54 moved (``recipes.refuse_moved_keys``)."""
     launchers = {arg.partition("=")[2] for arg in sys.argv[1:] if arg.lstrip("+").startswith("hydra/launcher=")}
     if launchers & SUBMITIT_LAUNCHERS:
         require_extra("slurm", command="stem-train")
     import hydra
 
-    from stem_megatron.recipes import RECIPES
+    from stem_megatron.config import ConfigError
+    from stem_megatron.recipes import RECIPES, refuse_moved_keys
 
+    try:
+        refuse_moved_keys(sys.argv[1:])
+    except ConfigError as e:
+        report(e)
+        sys.exit(1)
     hydra.main(version_base=None, config_path=RECIPES, config_name="train")(train)()
 
 

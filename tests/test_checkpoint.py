@@ -44,7 +44,7 @@ def test_resume_equals_straight_run(runs, tmp_path, parallel, placement, layers)
     """4 steps, stop, resume 4 steps == 8 straight steps: losses, grad norms, LR and every weight
     (host-resident tables and their Adam state included) bitwise on CPU. The resumed run saves every 2 steps and
     keeps the newest 2 complete checkpoints."""
-    common = [f"parallel={parallel}", f"stem.placement={placement}", f"model.num_layers={layers}"]
+    common = [f"parallel={parallel}", f"host_tables.placement={placement}", f"model.num_layers={layers}"]
     straight = runs.shared(*common, nproc=2)
     train(runs.corpus, tmp_path, *common, "train.exit_after_steps=4", nproc=2)
     ckpts = tmp_path / "checkpoints"
@@ -63,10 +63,10 @@ def test_resume_under_another_layout(runs, tmp_path, saved, resumed, nproc, laye
     """A DP=2 run (distributed optimizer) resumed on one process, and a PP=2 run resumed at PP=1 x TP=2
     (host tables split into TP column blocks), continue the same trajectory: losses and every weight and
     table row within 1e-4."""
-    straight = runs.shared(f"parallel={saved}", "stem.placement=host", f"model.num_layers={layers}", nproc=2)
+    straight = runs.shared(f"parallel={saved}", "host_tables.placement=host", f"model.num_layers={layers}", nproc=2)
     copy_stopped(straight, 4, tmp_path)
-    run = train(runs.corpus, tmp_path, f"parallel={resumed}", "stem.placement=host", f"model.num_layers={layers}",
-                nproc=nproc)
+    run = train(runs.corpus, tmp_path, f"parallel={resumed}", "host_tables.placement=host",
+                f"model.num_layers={layers}", nproc=nproc)
     assert "step_000004 after step 4" in run.stdout  # continued, not started afresh at the new layout
     _assert_same_run(straight, run, exact=False)
 
@@ -82,7 +82,7 @@ def test_resume_with_many_ddp_buckets_equals_straight_run(runs, tmp_path):
     the next forward), the resumed one does not: at DP=2 each sum is of the same two numbers. Between an optimizer
     step and that forward a rank's weights are current only in its DP shard: the save at step 4 and the straight
     run's export (no checkpoint, no validation before it) gather them first."""
-    common = ["parallel=dp2", "stem.placement=device", "model.hidden_size=120",
+    common = ["parallel=dp2", "host_tables.placement=device", "model.hidden_size=120",
               "model.ffn_hidden_size=360", "parallel.ddp_bucket_size=5000"]  # not multiples of 128
     overlap = ["parallel.overlap_grad_reduce=true", "parallel.overlap_param_gather=true"]
     straight = train(runs.corpus, tmp_path / "straight", *common, *overlap, "train.eval_iters=0",
@@ -263,22 +263,20 @@ def test_a_checkpoint_loads_under_another_layout_except_across_ep_1():
 
 
 def test_a_setting_added_after_the_save_counts_as_its_default_and_a_changed_one_is_refused():
-    """A checkpoint from before ``stem.clip`` existed trained with today's default (global); a run with
-    separate clipping, or another STEM variant, does not continue it. ``stem.overlap_exchange`` changes no
-    result and is not compared."""
-    import dataclasses
-
+    """A checkpoint from before ``clip`` (now ``host_tables.clip``) existed trained with today's default (global); a
+    run with separate clipping, or another STEM variant, does not continue it, and the error names today's key.
+    ``host_tables.overlap_exchange`` changes no result and is not compared."""
     from stem_megatron.checkpoint import manager
-    from stem_megatron.config import RunConfig, STEMConfig
+    from stem_megatron.config import HostTablesConfig, RunConfig, STEMConfig
 
     layout = {"world": 1, "tp": 1, "pp": 1, "ep": 1, "dp": 1}
     old = {**manager._identity(RunConfig()), "layout": layout}
     del old["stem"]["clip"]
-    manager._check_compatible(RunConfig(stem=STEMConfig(overlap_exchange=False)), old, Path("ckpt"), layout)
-    for change in ({"clip": "separate"}, {"variant": "stem_gate"}):
-        cfg = RunConfig(stem=dataclasses.replace(STEMConfig(), **change))
-        key = next(iter(change))
-        with pytest.raises(CheckpointError, match=f"different stem config \\(stem.{key}: .*resume with the "
+    manager._check_compatible(RunConfig(host_tables=HostTablesConfig(overlap_exchange=False)), old, Path("ckpt"),
+                              layout)
+    for cfg, key in ((RunConfig(host_tables=HostTablesConfig(clip="separate")), "host_tables.clip"),
+                     (RunConfig(stem=STEMConfig(variant="stem_gate")), "stem.variant")):
+        with pytest.raises(CheckpointError, match=f"different stem config \\({key}: .*resume with the "
                                                   f"checkpoint's settings"):
             manager._check_compatible(cfg, old, Path("ckpt"), layout)
 

@@ -8,6 +8,7 @@ from hydra.errors import ConfigCompositionException
 from stem_megatron.config import (
     CheckpointConfig,
     ConfigError,
+    HostTablesConfig,
     ModelConfig,
     ParallelConfig,
     RunConfig,
@@ -33,9 +34,10 @@ BAD = [
     ("stem.layers", dict(stem=STEMConfig(layers=[1, 4])), 1, {}),
     ("stem.table_init", dict(stem=STEMConfig(table_init="normal")), 1, {}),
     ("stem.table_init_std", dict(stem=STEMConfig(table_init_std=0.0)), 1, {}),
-    ("stem.clip", dict(stem=STEMConfig(clip="per_layer")), 1, {}),
-    ("stem.cache_rows", dict(stem=STEMConfig(resident_rows=64, cache_rows=8)), 1, {}),  # the set replaces the cache
-    ("stem.host_memory_gib", dict(stem=STEMConfig(host_memory_gib=0)), 1, {}),
+    ("host_tables.clip", dict(host_tables=HostTablesConfig(clip="per_layer")), 1, {}),
+    # the working set replaces the hot-row cache
+    ("host_tables.cache_rows", dict(host_tables=HostTablesConfig(resident_rows=64, cache_rows=8)), 1, {}),
+    ("host_tables.host_memory_gib", dict(host_tables=HostTablesConfig(host_memory_gib=0)), 1, {}),
     ("parallel", dict(), 3, dict(tensor_model_parallel_size=2)),
     ("parallel.overlap_param_gather", dict(), 1, dict(overlap_param_gather=True)),
     ("train.global_batch_size", dict(), 2, {}),
@@ -57,10 +59,12 @@ def test_bad_config_names_the_field(field, parts, world, par, monkeypatch):
 
 def test_separate_clip_needs_host_tables():
     """megatron's optimizer clips the on-device tables with every other parameter by one norm."""
-    with pytest.raises(ConfigError, match=r"stem\.clip: .*set stem\.placement=host or stem\.clip=global"):
-        validate(_cfg(stem=STEMConfig(placement="device", clip="separate")), 1)
-    assert validate(_cfg(stem=STEMConfig(placement="host", clip="separate")), 1) == 1
-    assert validate(_cfg(stem=STEMConfig(variant="dense", placement="device", clip="separate")), 1) == 1  # no tables
+    with pytest.raises(ConfigError, match=r"host_tables\.clip: .*set host_tables\.placement=host or "
+                                          r"host_tables\.clip=global"):
+        validate(_cfg(host_tables=HostTablesConfig(placement="device", clip="separate")), 1)
+    assert validate(_cfg(host_tables=HostTablesConfig(placement="host", clip="separate")), 1) == 1
+    assert validate(_cfg(stem=STEMConfig(variant="dense"), host_tables=HostTablesConfig(placement="device",
+                                                                                        clip="separate")), 1) == 1
 
 
 def test_an_existing_export_directory_is_refused_before_training(tmp_path):
@@ -110,7 +114,7 @@ def test_paper_experiments_compose_and_validate_for_64_gpus(experiment, model, l
     assert cfg.model.name == model and cfg.train.lr == lr and cfg.train.global_batch_size == 512
     assert (cfg.train.adam_beta1, cfg.train.adam_beta2, cfg.train.weight_decay) == (0.9, 0.95, 0.1)
     # as the released code; clip and optimizer also as study v2's ablation found (docs/recipes.md)
-    assert (cfg.stem.table_init, cfg.stem.clip, cfg.stem.optimizer) == ("xavier", "separate", "dense")
+    assert (cfg.stem.table_init, cfg.host_tables.clip, cfg.host_tables.optimizer) == ("xavier", "separate", "dense")
     assert validate(cfg, 64) == 64
 
 
@@ -129,5 +133,5 @@ def test_later_stages_compose_and_validate(experiment, lr, decay, seq, batch, cr
     assert cfg.data.reset_attention_mask == cfg.data.reset_position_ids == cross_doc
     if experiment == "midtrain_1b":
         assert [w for w, _ in cfg.data.blend] == [65, 5, 30]
-    assert (cfg.stem.clip, cfg.stem.optimizer) == ("separate", "dense")  # as pretrain_1b
+    assert (cfg.host_tables.clip, cfg.host_tables.optimizer) == ("separate", "dense")  # as pretrain_1b
     assert validate(cfg, 64) == 64

@@ -207,7 +207,7 @@ def _cross_document_logits(corpus):
 
     model_cfg = ModelConfig(num_layers=2, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4,
                             vocab_size=VOCAB, seq_length=seq)
-    stem = STEMConfig(variant="stem", ratio="1/2", placement="device")
+    stem = STEMConfig(variant="stem", ratio="1/2")
     config = transformer_config(model_cfg, ParallelConfig(), on_gpu=False)
     causal = build_gpt(model_cfg, stem, config).eval()
     spec = decoder_block_spec(config, planned_layers(model_cfg.num_layers, stem),

@@ -44,6 +44,7 @@ def offline(monkeypatch, tmp_path):
 
 # ------------------------------------------------------------------------------------------ (a) format
 def _export_checks(corpus, export, tmp):
+    from stem_megatron.config import HashMoEConfig
     from stem_megatron.export.format import FORMAT, ExportError, read_export, write_export
     from stem_megatron.inference.model import InferenceModel
 
@@ -51,7 +52,7 @@ def _export_checks(corpus, export, tmp):
     assert cfg == tiny_config(corpus, 2, SEQ)
     assert tokenizer == export / "tokenizer.json" and tokenizer.read_bytes() == (corpus / "tokenizer.json").read_bytes()
     U = weights["decoder.layers.1.mlp.U_l.weight"]
-    assert U.shape == (VOCAB, 96)  # a full V x d_ff table, as with stem.placement=device
+    assert U.shape == (VOCAB, 96)  # a full V x d_ff table, as with host_tables.placement=device
     model = InferenceModel(export)
     loaded = dict(model.model.named_parameters())
     assert set(loaded) == set(weights) and all(torch.equal(loaded[n], w) for n, w in weights.items())
@@ -87,14 +88,14 @@ def _export_checks(corpus, export, tmp):
     # Hash-MoE with a frequency map: the counts travel inside the export
     counts = tmp / "counts.npy"
     np.save(counts, np.arange(VOCAB, dtype=np.int64))
-    moe = tiny_config(corpus, 2, SEQ, variant="hash_moe", ratio="1/2", num_experts=4, expert_ffn_hidden_size=32,
-                      hash_map=f"frequency:{counts}")
+    moe = tiny_config(corpus, 2, SEQ, variant="hash_moe", ratio="1/2",
+                      hash_moe=HashMoEConfig(num_experts=4, expert_ffn_hidden_size=32, hash_map=f"frequency:{counts}"))
     moe_weights = perturbed_weights(moe)
     assert "decoder.layers.1.mlp.experts.local_experts.3.linear_fc1.weight" in moe_weights
     write_export(tmp / "moe", moe, moe_weights)
     counts.unlink()
     moe_cfg, _, _ = read_export(tmp / "moe")
-    assert moe_cfg.stem.hash_map == f"frequency:{tmp / 'moe' / 'hash_counts.npy'}"
+    assert moe_cfg.hash_moe.hash_map == f"frequency:{tmp / 'moe' / 'hash_counts.npy'}"
     ids = InferenceModel(tmp / "moe").encode(TEXT)
     assert len(ids) > 10
 

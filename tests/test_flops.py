@@ -24,7 +24,7 @@ from stem_megatron.flops.counts import exact_layer_saving_fraction, forward_flop
 from stem_megatron.flops.paper import paper_layer_train_flops, paper_saving_fraction, table1
 from stem_megatron.flops.params import analytic_parameters
 from stem_megatron.flops.roi import load_results, training_roi
-from stem_megatron.flops.variants import DENSE, Variant, parse_variant, to_stem_config
+from stem_megatron.flops.variants import DENSE, Variant, parse_variant, to_hash_moe_config, to_stem_config
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -162,7 +162,7 @@ def test_variant_parsing():
     assert parse_variant("stem_full") == Variant("stem", "full")  # recipes/variant/stem_full.yaml
     assert parse_variant("stem-1/2") == Variant("stem", "1/2")
     assert parse_variant("dense") == DENSE
-    assert parse_variant("hash_moe").num_experts == 16
+    assert parse_variant("hash_moe") == Variant("hash_moe", "1/3", num_experts=16)  # its stem: and hash_moe: blocks
     with pytest.raises(FlopsError, match="variant"):
         parse_variant("moe-1/3")
 
@@ -287,9 +287,10 @@ def _count_with_flop_counter(cases, model_fields, batch):
     for variant in cases:
         if variant.ratio == "all":
             variant = Variant(variant.variant, layers=tuple(range(model.num_layers)))
-        stem = to_stem_config(variant)
-        gpt = build_gpt(model, stem, transformer_config(model, ParallelConfig(), on_gpu=False, stem=stem),
-                        pre_process=True, post_process=True)
+        stem, experts = to_stem_config(variant), to_hash_moe_config(variant)
+        gpt = build_gpt(model, stem, transformer_config(model, ParallelConfig(), on_gpu=False, stem=stem,
+                                                        hash_moe=experts),
+                        pre_process=True, post_process=True, hash_moe=experts)
         tokens = torch.randint(0, model.vocab_size, (batch, model.seq_length),
                                generator=torch.Generator().manual_seed(0))
         positions = torch.arange(model.seq_length).unsqueeze(0).expand_as(tokens)

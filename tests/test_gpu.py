@@ -34,9 +34,9 @@ def test_gpu_training_with_host_tables_learns_and_a_working_set_trains_alike(gpu
     tables' by CPU Adam) has the same first loss and later ones within 5e-3 relative: the one end-to-end check of
     the working set on a GPU outside the sanitizer (the first-contact review's ``train`` probe)."""
     losses = {}
-    for name, extra in (("host", []), ("working set", ["stem.resident_rows=2048"])):
+    for name, extra in (("host", []), ("working set", ["host_tables.resident_rows=2048"])):
         proc = _run(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1", "-m",
-                     "stem_megatron.train", "parallel=single", "stem.placement=host", *extra, "train.steps=8",
+                     "stem_megatron.train", "parallel=single", "host_tables.placement=host", *extra, "train.steps=8",
                      "train.eval_iters=0", "checkpoint.resume=false", f"data.dir={DEMO}",
                      f"out_dir={tmp_path / name}"], gpu_env())
         assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -340,7 +340,7 @@ def test_a_host_table_step_with_its_prefetch_and_cpu_adam_passes_the_cuda_saniti
     (1,024 rows a layer against ~1,700 distinct ids a step) has rows enter ahead, enter staged and leave. Kernels
     outside torch's dispatcher (Transformer Engine's, apex's) go unchecked (docs/gpu.md)."""
     proc = _run(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1", "-m", "stem_megatron.train",
-                 "parallel=single", "stem.placement=host", "stem.resident_rows=1024", "train.steps=3",
+                 "parallel=single", "host_tables.placement=host", "host_tables.resident_rows=1024", "train.steps=3",
                  "train.eval_interval=1", "train.eval_iters=1", "checkpoint.resume=false", "checkpoint.save=false",
                  f"data.dir={DEMO}", f"out_dir={tmp_path}"], gpu_env(TORCH_CUDA_SANITIZER="1"))
     assert proc.returncode == 0, proc.stdout + proc.stderr[-20_000:]
@@ -355,7 +355,7 @@ def test_an_audited_host_table_step_with_validation_beside_it(gpu_env, tmp_path)
     training's does), step 3 audited: the run learns, validates every step, and writes both audits, the sync
     audit counting by thread and call site and the collective audit finding one order."""
     proc = _run(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1", "-m", "stem_megatron.train",
-                 "parallel=single", "stem.placement=host", "train.steps=5", "train.eval_interval=1",
+                 "parallel=single", "host_tables.placement=host", "train.steps=5", "train.eval_interval=1",
                  "train.eval_iters=1", "logging.sync_audit=3", "logging.collective_audit=3",
                  "checkpoint.resume=false", "checkpoint.save=false", f"data.dir={DEMO}", f"out_dir={tmp_path}"],
                 gpu_env())

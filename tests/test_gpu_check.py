@@ -238,7 +238,7 @@ def test_every_planned_run_s_tables_fit_the_lent_machine_s_host():
     for part in PARTS + EXTRA:
         for variant in part.variants:
             overrides = VARIANTS[variant][1]
-            if "stem.placement=host" in overrides:
+            if "host_tables.placement=host" in overrides:
                 m = models[part.model]
                 layers = stem_layer_indices(m.num_layers, "full" if "variant=stem_full" in overrides else "1/3")
                 tables[part.model, variant] = len(layers) * m.vocab_size * m.ffn_hidden_size * 4 * 3

@@ -17,7 +17,15 @@ import distributed
 import pytest
 import torch
 
-from stem_megatron.config import ModelConfig, ParallelConfig, RunConfig, STEMConfig, TrainConfig
+from stem_megatron.config import (
+    HashMoEConfig,
+    HostTablesConfig,
+    ModelConfig,
+    ParallelConfig,
+    RunConfig,
+    STEMConfig,
+    TrainConfig,
+)
 from stem_megatron.model.sharding import global_name
 
 V, SEQ = 64, 16
@@ -40,9 +48,9 @@ def _te_and_local(variant):
     from stem_megatron.model.token_context import token_ids
 
     te_stand_ins.install()
-    stem = STEMConfig(variant=variant, ratio="full", placement="device", num_experts=4)
-    config = transformer_config(MODEL, ParallelConfig(), on_gpu=False, stem=stem)
-    local, te = build_gpt(MODEL, stem, config, use_te=False), build_gpt(MODEL, stem, config, use_te=True)
+    stem, experts = STEMConfig(variant=variant, ratio="full"), HashMoEConfig(num_experts=4)
+    config = transformer_config(MODEL, ParallelConfig(), on_gpu=False, stem=stem, hash_moe=experts)
+    local, te = (build_gpt(MODEL, stem, config, use_te=te, hash_moe=experts) for te in (False, True))
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():  # no parameter keeps its init (norm weights of ones would hide a missing norm)
         for p in local.parameters():
@@ -128,7 +136,7 @@ def _bf16_model_forward():
     from stem_megatron.model.token_context import token_ids
 
     config = transformer_config(MODEL, ParallelConfig(), on_gpu=True, use_cpu_initialization=True)
-    model = build_gpt(MODEL, STEMConfig(variant="stem", ratio="1/3", placement="device"), config)
+    model = build_gpt(MODEL, STEMConfig(variant="stem", ratio="1/3"), config)
     tokens = torch.randint(0, V, (2, SEQ), generator=torch.Generator().manual_seed(0))
     with warnings.catch_warnings(record=True) as caught, torch.no_grad(), token_ids(tokens, V):
         warnings.simplefilter("always")
@@ -202,7 +210,7 @@ def _resume_with_fused_adam(directory):
     megatron_optimizer.Adam, megatron_optimizer.USING_PYTORCH_OPTIMIZER = FusedAdamStandIn, False
     distrib_optimizer.Adam = FusedAdamStandIn
     distrib_optimizer.HAVE_APEX_OR_TE, distrib_optimizer.USING_TE_OPTIMIZER = True, True
-    cfg = RunConfig(model=MODEL, stem=STEMConfig(ratio="full", placement="device"),
+    cfg = RunConfig(model=MODEL, stem=STEMConfig(ratio="full"), host_tables=HostTablesConfig(placement="device"),
                     train=TrainConfig(steps=4, micro_batch_size=2, global_batch_size=2, lr=1e-2))
     g = torch.Generator().manual_seed(0)
 

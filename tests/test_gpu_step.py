@@ -52,7 +52,7 @@ def test_benchmark_records_every_variant_on_the_cpu(tmp_path):
     # the working set sized to the memory goal: the most rows whose plan (at the profile's distinct ids, which the
     # run's own counts match) stays within 1.10x dense's; a step's rows fit in it
     fit = records["stem_1_3_resident_fit"]
-    rows = json.loads((Path(fit["out_dir"]) / "config.json").read_text())["stem"]["resident_rows"]
+    rows = json.loads((Path(fit["out_dir"]) / "config.json").read_text())["host_tables"]["resident_rows"]
     assert fit["label"] == f"STEM-1/3 working set {rows:,}" and f"STEM-1/3 working set {rows:,}" in proc.stdout
     micro, step = fit["distinct_ids"]
     assert step < rows and fit["plan_device_bytes"] <= 1.10 * records["dense"]["plan_device_bytes"]
@@ -84,7 +84,7 @@ main()
 def test_out_of_device_memory_ends_the_run_with_one_line(corpus, tmp_path):
     """A step that raises torch.OutOfMemoryError (simulated on the CPU): exit code 1 and one line with the memory
     plan's bytes for this run and the settings that lower it."""
-    overrides = ["model=tiny", "parallel=single", "variant=stem_1_3", "stem.placement=device",
+    overrides = ["model=tiny", "parallel=single", "variant=stem_1_3", "host_tables.placement=device",
                  f"data.dir={corpus}", f"data.vocab_size={VOCAB}", "train.steps=2", "train.eval_iters=0",
                  "train.micro_batch_size=4", "train.global_batch_size=8", "checkpoint.save=false",
                  f"out_dir={tmp_path / 'run'}"]
@@ -103,7 +103,7 @@ def test_out_of_device_memory_ends_the_run_with_one_line(corpus, tmp_path):
     assert line.startswith("error: out of memory on the CPU while allocating 2.00 GiB: the memory plan expects "
                            f"{planned / GIB:.2f} GiB per rank for this run"), line
     for knob in ("train.micro_batch_size (now 4", "parallel.tensor_model_parallel_size",
-                 "parallel.pipeline_model_parallel_size", "stem.placement=host"):
+                 "parallel.pipeline_model_parallel_size", "host_tables.placement=host"):
         assert knob in line, line
 
 
@@ -141,7 +141,7 @@ def test_profile_step_and_save_are_validated(change, field):
 def test_a_sync_audit_needs_a_gpu():
     """The sync audit counts CUDA synchronisations: a CPU run that asks for one is told so before it starts."""
     cfg = RunConfig()
-    cfg.stem.placement, cfg.logging.sync_audit = "device", 2
+    cfg.host_tables.placement, cfg.logging.sync_audit = "device", 2
     with pytest.raises(ConfigError, match=r"logging\.sync_audit.*no GPU"):
         validate(cfg, 1)
 

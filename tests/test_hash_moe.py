@@ -9,6 +9,7 @@ import torch
 from stem_megatron.config import (
     ConfigError,
     DataConfig,
+    HashMoEConfig,
     ModelConfig,
     ParallelConfig,
     RunConfig,
@@ -49,7 +50,8 @@ def _tokens_reaching_experts():
     from stem_megatron.training.step import forward_backward
 
     model_cfg = ModelConfig(**{**MODEL.__dict__, "num_layers": 1})
-    trainer = setup_model(RunConfig(model=model_cfg, stem=STEMConfig(variant="hash_moe", layers=[0], num_experts=E),
+    trainer = setup_model(RunConfig(model=model_cfg, stem=STEMConfig(variant="hash_moe", layers=[0]),
+                                    hash_moe=HashMoEConfig(num_experts=E),
                                     parallel=ParallelConfig(expert_model_parallel_size=2)))
     gpt = trainer.model.module
     layer = gpt.decoder.layers[0]
@@ -83,7 +85,7 @@ def test_every_token_reaches_the_expert_its_id_maps_to():
 
 
 def test_tensor_parallel_hash_moe_fails_early_on_cpu():
-    cfg = RunConfig(model=MODEL, stem=STEMConfig(variant="hash_moe", num_experts=E),
+    cfg = RunConfig(model=MODEL, stem=STEMConfig(variant="hash_moe"), hash_moe=HashMoEConfig(num_experts=E),
                     parallel=ParallelConfig(tensor_model_parallel_size=2), data=DataConfig(vocab_size=MODEL.vocab_size))
     with pytest.raises(ConfigError, match="parallel.sequence_parallel"):
         validate(cfg, 2)
@@ -91,8 +93,8 @@ def test_tensor_parallel_hash_moe_fails_early_on_cpu():
     if not torch.cuda.is_available():
         with pytest.raises(ConfigError, match="Transformer Engine"):
             validate(cfg, 2)
-    with pytest.raises(ConfigError, match="stem.num_experts"):
-        validate(RunConfig(model=MODEL, stem=STEMConfig(variant="hash_moe", num_experts=3),
+    with pytest.raises(ConfigError, match="hash_moe.num_experts"):
+        validate(RunConfig(model=MODEL, stem=STEMConfig(variant="hash_moe"), hash_moe=HashMoEConfig(num_experts=3),
                            parallel=ParallelConfig(expert_model_parallel_size=2)), 2)
     with pytest.raises(ConfigError, match="expert_model_parallel_size"):
         validate(RunConfig(model=MODEL, parallel=ParallelConfig(expert_model_parallel_size=2)), 2)

@@ -144,6 +144,7 @@ def _tables_at_home(hf_dir: Path) -> dict:
 def _bad_inputs(corpus, tmp: Path) -> list[str]:
     """What ``stem-export-hf`` says (its SystemExit) for a missing export, a damaged one, a Hash-MoE one and an
     existing output directory; the output directories that exist afterwards."""
+    from stem_megatron.config import HashMoEConfig
     from stem_megatron.export.format import write_export
     from stem_megatron.export.hf.cli import main
 
@@ -151,7 +152,8 @@ def _bad_inputs(corpus, tmp: Path) -> list[str]:
     damaged.mkdir()
     (damaged / "config.json").write_text("{}")
     (damaged / "model.pt").write_bytes(b"not a torch archive")
-    cfg = tiny_config(corpus, 2, 32, variant="hash_moe", ratio="1/2", num_experts=4, expert_ffn_hidden_size=32)
+    cfg = tiny_config(corpus, 2, 32, variant="hash_moe", ratio="1/2",
+                      hash_moe=HashMoEConfig(num_experts=4, expert_ffn_hidden_size=32))
     write_export(tmp / "moe", cfg, perturbed_weights(cfg), corpus / "tokenizer.json")
     (tmp / "taken").mkdir()
     said = []

@@ -22,7 +22,7 @@ def test_a_small_shared_memory_directory_is_a_clear_error_at_start(corpus, tmp_p
     out = proc.stdout + proc.stderr
     assert proc.returncode == 1 and "Traceback" not in out, out[-3000:]
     assert "the STEM host tables of this node need 0.56 GiB in /dev/shm" in out
-    assert "0.06 GiB free" in out and "--shm-size" in out and "stem.shm_dir" in out
+    assert "0.06 GiB free" in out and "--shm-size" in out and "host_tables.shm_dir" in out
 
 
 GIB = 2**30
@@ -64,7 +64,7 @@ def test_the_tables_may_take_mem_available_bounded_by_a_cgroup_limit(tmp_path, m
     _machine(tmp_path, monkeypatch, available, cgroup, files)
     got, said = available_memory()
     assert got == expected * GIB and source in said
-    assert available_memory(host_memory_gib=100) == (100 * GIB, "stem.host_memory_gib")
+    assert available_memory(host_memory_gib=100) == (100 * GIB, "host_tables.host_memory_gib")
 
 
 def _map_64_mib(directory: str, meminfo: str, host_memory_gib) -> str:
@@ -83,14 +83,14 @@ def _map_64_mib(directory: str, meminfo: str, host_memory_gib) -> str:
         return str(e)
 
 
-def test_a_vm_that_understates_its_memory_runs_with_stem_host_memory_gib(tmp_path, monkeypatch):
-    """A microVM whose RAM grows as it is used reports 16 MiB available: tables of 64 MiB are refused at start with
-    the figure's source and the override named, and map once ``stem.host_memory_gib`` says what the node can give."""
+def test_a_vm_that_understates_its_memory_runs_with_host_tables_host_memory_gib(tmp_path, monkeypatch):
+    """A microVM whose RAM grows as it is used reports 16 MiB available: tables of 64 MiB are refused at start with the
+    figure's source and the override named, and map once ``host_tables.host_memory_gib`` says what the node can give."""
     import distributed
 
     _machine(tmp_path, monkeypatch, 16 / 1024)
     meminfo = str(tmp_path / "meminfo")
     refused, mapped = (distributed.run(_map_64_mib, 1, str(tmp_path), meminfo, gib)[0] for gib in (None, 1))
     assert "need 0.06 GiB" in refused and "0.02 GiB of available memory (MemAvailable)" in refused
-    assert "stem.host_memory_gib=<GiB the node can give>" in refused
+    assert "host_tables.host_memory_gib=<GiB the node can give>" in refused
     assert mapped == "mapped"

@@ -8,7 +8,15 @@ import distributed
 import pytest
 import torch
 
-from stem_megatron.config import DataConfig, ModelConfig, ParallelConfig, RunConfig, STEMConfig, TrainConfig
+from stem_megatron.config import (
+    DataConfig,
+    HostTablesConfig,
+    ModelConfig,
+    ParallelConfig,
+    RunConfig,
+    STEMConfig,
+    TrainConfig,
+)
 
 MICRO, GLOBAL, STEPS = 2, 4, 20
 MODEL = ModelConfig(num_layers=4, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4, vocab_size=128,
@@ -16,9 +24,9 @@ MODEL = ModelConfig(num_layers=4, hidden_size=32, ffn_hidden_size=64, num_attent
 
 
 def _cfg(tp, pp, placement, optimizer="dense", steps=STEPS, table_init="scaled", resident_rows=0):
-    stem = STEMConfig(variant="stem", ratio="1/2", placement=placement, optimizer=optimizer, table_init=table_init,
-                      resident_rows=resident_rows)
-    return RunConfig(model=MODEL, stem=stem,
+    return RunConfig(model=MODEL, stem=STEMConfig(variant="stem", ratio="1/2", table_init=table_init),
+                     host_tables=HostTablesConfig(placement=placement, optimizer=optimizer,
+                                                  resident_rows=resident_rows),
                      parallel=ParallelConfig(tp, pp),
                      train=TrainConfig(steps=steps, micro_batch_size=MICRO, global_batch_size=GLOBAL, lr=1e-2))
 
@@ -298,7 +306,7 @@ def _cache_is_transparent():
     n_micro, out = GLOBAL // (MICRO * dp), {}
     for cache_rows in (0, 32):
         cfg = _cfg(1, 1, "host", optimizer="lazy", steps=6)
-        cfg.stem.cache_rows = cache_rows
+        cfg.host_tables.cache_rows = cache_rows
         torch.manual_seed(0)  # the same initial dense weights for both models
         trainer = setup_model(cfg)
         trainer.store.tier.cache.refresh_every = 2  # re-choose the hot rows during the run too

@@ -15,17 +15,26 @@ import distributed
 import pytest
 import torch
 
-from stem_megatron.config import DataConfig, ModelConfig, ParallelConfig, RunConfig, STEMConfig, TrainConfig
+from stem_megatron.config import (
+    DataConfig,
+    HostTablesConfig,
+    ModelConfig,
+    ParallelConfig,
+    RunConfig,
+    STEMConfig,
+    TrainConfig,
+)
 from stem_megatron.flops.cli import main
 from stem_megatron.flops.memory import GIB, Layout, node_shared_bytes, plan, rank_parameters
 
 V = 1002  # not a multiple of the node counts: owner ranges differ by a row
 
 
-def _config(tp: int, pp: int, **stem) -> RunConfig:
+def _config(tp: int, pp: int, **host_tables) -> RunConfig:
     return RunConfig(model=ModelConfig(num_layers=4, hidden_size=16, ffn_hidden_size=24, num_attention_heads=2,
                                        vocab_size=V, seq_length=8),
-                     stem=STEMConfig(ratio="1/2", **stem), parallel=ParallelConfig(tp, pp),
+                     stem=STEMConfig(ratio="1/2"), host_tables=HostTablesConfig(**host_tables),
+                     parallel=ParallelConfig(tp, pp),
                      train=TrainConfig(micro_batch_size=1, global_batch_size=4), data=DataConfig(vocab_size=V))
 
 
@@ -42,9 +51,8 @@ def _store_and_model(nodes: int, tp: int, pp: int, copies: str) -> dict:
     cfg = _config(tp, pp, read_dtype=copies)
     tconfig = transformer_config(cfg.model, cfg.parallel, on_gpu=False, stem=cfg.stem)
     store = build_store(cfg, tconfig, torch.device("cpu"))
-    stem = STEMConfig(ratio="1/2", placement="device")
-    with torch.device("meta"):
-        gpt = build_gpt(cfg.model, stem, transformer_config(cfg.model, cfg.parallel, on_gpu=False, stem=stem))
+    with torch.device("meta"):  # the tables as device parameters: what build_gpt makes without a row source
+        gpt = build_gpt(cfg.model, cfg.stem, transformer_config(cfg.model, cfg.parallel, on_gpu=False, stem=cfg.stem))
     total = sum(p.numel() for p in gpt.parameters())
     tables = sum(m.weight.numel() for m in gpt.modules() if isinstance(m, DeviceRowTable))
     counted = {"device": total, "host": total - tables}  # host tables: the layer holds no parameter
@@ -169,8 +177,8 @@ def _resident_plan(rows: int, **distinct) -> tuple[RunConfig, dict]:
     from stem_megatron.recipes import compose_run
 
     cfg = compose_run(["+experiment=pretrain_1b", "model.seq_length=2048", "train.global_batch_size=16",
-                       "train.micro_batch_size=2", "variant=stem_1_3", "stem.optimizer=lazy",
-                       f"stem.resident_rows={rows}"])
+                       "train.micro_batch_size=2", "variant=stem_1_3", "host_tables.optimizer=lazy",
+                       f"host_tables.resident_rows={rows}"])
     return cfg, plan(cfg, Layout(1, 1), **distinct)["stages"][0]
 
 
@@ -209,7 +217,7 @@ def test_cli_says_the_largest_working_set_within_the_goal(capsys):
     args = ["--memory", "+experiment=pretrain_1b", "variant=stem_1_3"]
     main([*args, "--distinct-ids", "4408", "--step-distinct-ids", "16018"])
     assert re.search(r"a working set within dense's \+ 10% on this layout \(the GPU step's memory goal\): "
-                     r"stem.resident_rows <= \d[\d,]+ \(a set too small for a step's rows grows\)\n$",
+                     r"host_tables.resident_rows <= \d[\d,]+ \(a set too small for a step's rows grows\)\n$",
                      capsys.readouterr().out)
     main([*args, "--distinct-ids", "16384", "--step-distinct-ids", "128256"])  # at the ids' bound (every token a
     # distinct id) the step's rows alone exceed it
@@ -266,7 +274,7 @@ def test_pinned_blocks_are_planned_as_torch_pins_them():
 MEASURED = [  # the demo's tiny model (MHA) and a wider one (d_ff = 4d, K/V in 2 groups), each variant's FFN path
     ["model=tiny", "variant=dense"],
     ["model=tiny", "variant=stem_1_2"],  # host tables: stem_rows' product over compact rows
-    ["model=tiny", "variant=stem_1_2", "stem.placement=device"],
+    ["model=tiny", "variant=stem_1_2", "host_tables.placement=device"],
     ["model=tiny", "variant=stem_dagger", "stem.ratio=1/2"],  # host rows gathered to tokens
     ["model.hidden_size=256", "model.ffn_hidden_size=1024", "model.num_attention_heads=8", "model.num_query_groups=2",
      "model.vocab_size=8192", "model.seq_length=256", "train.micro_batch_size=2", "variant=stem_1_3"],

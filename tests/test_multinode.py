@@ -11,7 +11,7 @@ import pytest
 import torch
 from runs import STEPS, train
 
-SERIAL = ("stem.overlap_update=false", "stem.overlap_exchange=false")
+SERIAL = ("host_tables.overlap_update=false", "host_tables.overlap_exchange=false")
 
 
 def _close(a: list[dict], b: list[dict], key: str) -> float:
@@ -28,7 +28,7 @@ def test_nodes_train_as_one(runs, parallel, nnodes, nproc, optimizer):
     rows: losses, grad norms, dense weights and every STEM table row within 1e-5 (only the order of the DP
     sums differs). One node against the plain on-device table: test_host_store; the owner mechanism
     against one table: test_row_ownership."""
-    setting = (f"parallel={parallel}", f"stem.optimizer={optimizer}")
+    setting = (f"parallel={parallel}", f"host_tables.optimizer={optimizer}")
     one = runs.shared(*setting, nproc=nnodes * nproc)
     nodes = runs.shared(*setting, nodes=nnodes, nproc=nproc)
     got, ref = nodes.metrics, one.metrics
@@ -57,8 +57,8 @@ def test_a_checkpoint_of_two_nodes_with_tp2_resumes_on_one_node_with_tp1_and_on_
 
 LAYOUTS = {  # (overrides, nodes, ranks a node)
     "1 node x DP 2, lazy": (("parallel=dp2",), 1, 2),
-    "2 nodes x DP, lazy, hot-row cache": (("parallel=dp2", "stem.cache_rows=16"), 2, 1),
-    "4 nodes x DP, dense": (("parallel=dp2", "stem.optimizer=dense"), 4, 1),
+    "2 nodes x DP, lazy, hot-row cache": (("parallel=dp2", "host_tables.cache_rows=16"), 2, 1),
+    "4 nodes x DP, dense": (("parallel=dp2", "host_tables.optimizer=dense"), 4, 1),
     "2 nodes x PP 2, STEM after the first of 6 layers": (("parallel=pp2", "model.num_layers=6", "stem.ratio=full"),
                                                          2, 2),
 }
@@ -68,12 +68,12 @@ LAYOUTS = {  # (overrides, nodes, ranks a node)
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_work_beside_the_step_changes_nothing(runs, tmp_path, layout):
     """The default run, where a layer's row gradients go to their owners from its backward hook
-    (``stem.overlap_exchange``: while backward runs on through the earlier layers) and CPU Adam updates the rows any
-    rank reads next first and the rest on a background thread while the next step runs (``stem.overlap_update``),
-    against the serial order (both off: every exchange after backward, every row updated before the next step), on
-    one node and across nodes, with lazy Adam (the hot-row cache's rows among those read next) and dense Adam, and
-    with two pipeline stages of 2 micro-batches a step. Losses, grad norms, validation losses and every weight and
-    table row are bitwise the same, and the work beside the step did run."""
+    (``host_tables.overlap_exchange``: while backward runs on through the earlier layers) and CPU Adam updates the rows
+    any rank reads next first and the rest on a background thread while the next step runs
+    (``host_tables.overlap_update``), against the serial order (both off: every exchange after backward, every row
+    updated before the next step), on one node and across nodes, with lazy Adam (the hot-row cache's rows among those
+    read next) and dense Adam, and with two pipeline stages of 2 micro-batches a step. Losses, grad norms, validation
+    losses and every weight and table row are bitwise the same, and the work beside the step did run."""
     overrides, nnodes, nproc = LAYOUTS[layout]
     beside = runs.shared(*overrides, nodes=nnodes, nproc=nproc)
     serial = train(runs.corpus, tmp_path, *overrides, *SERIAL, nodes=nnodes, nproc=nproc)
@@ -95,19 +95,19 @@ def test_work_beside_the_step_changes_nothing(runs, tmp_path, layout):
 @pytest.mark.slow
 @pytest.mark.parametrize("optimizer", ["lazy", "dense"])
 def test_owners_working_sets_on_two_nodes_train_bitwise_like_the_host_step(runs, tmp_path, optimizer):
-    """2 nodes x 2 DP peers with working sets (``stem.resident_rows``): each rank's set holds the rows it owns that
-    the group reads, updates them with every rank's gradients and sends them back along the exchange's routes
-    reversed (rail, then node). Against the host step at the same layout, with validation passes and checkpoints
-    at steps 4 and 8 (both read the host copies: written back, pulled across nodes), where the lazy run stops after
-    step 4 and resumes (the recipe's dense Adam runs straight through): steps, losses, grad norms, validation losses
-    and every exported weight bitwise equal. The collective audit of step 2: the host step's as
-    test_every_rank_issues_the_step_collectives_in_one_order checks it (megatron's DP reduction after backward);
-    with working sets one order on every rank, from the main thread but for the prefetch thread's plan of step 3,
-    on groups no other thread uses; the rows' way back is the main thread's last two collectives, the gradients'
-    two levels reversed, and no refresh of the host copies (its node barrier) remains."""
-    setting = ("parallel=dp2", f"stem.optimizer={optimizer}", "logging.collective_audit=2")
+    """2 nodes x 2 DP peers with working sets (``host_tables.resident_rows``): each rank's set holds the rows it owns
+    that the group reads, updates them with every rank's gradients and sends them back along the exchange's routes
+    reversed (rail, then node). Against the host step at the same layout, with validation passes and checkpoints at
+    steps 4 and 8 (both read the host copies: written back, pulled across nodes), where the lazy run stops after step 4
+    and resumes (the recipe's dense Adam runs straight through): steps, losses, grad norms, validation losses and every
+    exported weight bitwise equal. The collective audit of step 2: the host step's as
+    test_every_rank_issues_the_step_collectives_in_one_order checks it (megatron's DP reduction after backward); with
+    working sets one order on every rank, from the main thread but for the prefetch thread's plan of step 3, on groups
+    no other thread uses; the rows' way back is the main thread's last two collectives, the gradients' two levels
+    reversed, and no refresh of the host copies (its node barrier) remains."""
+    setting = ("parallel=dp2", f"host_tables.optimizer={optimizer}", "logging.collective_audit=2")
     host = runs.shared(*setting, nodes=2, nproc=2)
-    resident = (*setting, "stem.resident_rows=8")
+    resident = (*setting, "host_tables.resident_rows=8")
     if optimizer == "lazy":
         first = train(runs.corpus, tmp_path, *resident, "train.exit_after_steps=4", nodes=2, nproc=2)
         assert [r["step"] for r in first.metrics] == [1, 2, 3, 4]

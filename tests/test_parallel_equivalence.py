@@ -7,7 +7,15 @@ import distributed
 import pytest
 import torch
 
-from stem_megatron.config import ModelConfig, ParallelConfig, RunConfig, STEMConfig, TrainConfig
+from stem_megatron.config import (
+    HashMoEConfig,
+    HostTablesConfig,
+    ModelConfig,
+    ParallelConfig,
+    RunConfig,
+    STEMConfig,
+    TrainConfig,
+)
 from stem_megatron.model.sharding import load_full_weights, local_to_global, shard_of
 
 MICRO, GLOBAL, STEPS = 2, 4, 3
@@ -26,9 +34,10 @@ def _data(dp_rank, dp):
             yield {"tokens": s[:, :-1], "labels": s[:, 1:]}
 
 
-VARIANTS = {
-    "stem": STEMConfig(variant="stem", ratio="1/2", placement="device"),
-    "hash_moe": STEMConfig(variant="hash_moe", ratio="1/2", num_experts=4, expert_ffn_hidden_size=32),
+VARIANTS = {  # the RunConfig groups of each
+    "stem": dict(stem=STEMConfig(variant="stem", ratio="1/2"), host_tables=HostTablesConfig(placement="device")),
+    "hash_moe": dict(stem=STEMConfig(variant="hash_moe", ratio="1/2"),
+                     hash_moe=HashMoEConfig(num_experts=4, expert_ffn_hidden_size=32)),
 }
 
 
@@ -43,7 +52,7 @@ def _train(variant, tp, pp, ep, dist_opt, ref=None):
     from stem_megatron.training.setup import setup_model
     from stem_megatron.training.step import train_step
 
-    cfg = RunConfig(model=MODEL, stem=VARIANTS[variant],
+    cfg = RunConfig(model=MODEL, **VARIANTS[variant],
                     parallel=ParallelConfig(tp, pp, expert_model_parallel_size=ep, use_distributed_optimizer=dist_opt),
                     train=TrainConfig(steps=STEPS, micro_batch_size=MICRO, global_batch_size=GLOBAL, lr=1e-2))
     trainer = setup_model(cfg)

@@ -46,7 +46,7 @@ def _count_all(recipe_hash_moe) -> dict:
     for preset, variant, ratio in CASES:
         c = count_parameters(_model(preset), STEMConfig(variant=variant, ratio=ratio))
         out[preset, variant, ratio] = (c.total, c.tables, c.active)
-    c = count_parameters(recipe_hash_moe.model, recipe_hash_moe.stem)
+    c = count_parameters(recipe_hash_moe.model, recipe_hash_moe.stem, recipe_hash_moe.hash_moe)
     out["mobilellm_350m", "hash_moe_recipe", "1/3"] = (c.total, c.tables, c.active)
     return out
 

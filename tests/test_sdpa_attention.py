@@ -12,13 +12,13 @@ import distributed
 import pytest
 import torch
 
-from stem_megatron.config import ModelConfig, ParallelConfig, STEMConfig
+from stem_megatron.config import HashMoEConfig, ModelConfig, ParallelConfig, STEMConfig
 
 V, S, B, EOD, TOL = 64, 16, 3, 0, 1e-5
 MODEL = ModelConfig(num_layers=4, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4, vocab_size=V,
                     seq_length=S, init_method_std=0.2)  # larger than the default: attention far from uniform
 GQA = dataclasses.replace(MODEL, num_query_groups=2)
-STEM = STEMConfig(variant="stem", ratio="1/2", placement="device")
+STEM = STEMConfig(variant="stem", ratio="1/2")
 
 
 # ------------------------------------------------------------------------------- in the spawned worlds
@@ -217,8 +217,9 @@ def _single_process():
     }
     layers = {"stem": _layer_kinds(build_gpt(MODEL, STEM, _config()))}
     # MoE layers (Hash-MoE's): megatron's MoE layer spec on the planned layers, through decoder_block_spec
-    moe = STEMConfig(variant="hash_moe", ratio="1/2", num_experts=4, expert_ffn_hidden_size=32)
-    config = transformer_config(MODEL, ParallelConfig(), on_gpu=False, stem=moe)
+    moe = STEMConfig(variant="hash_moe", ratio="1/2")
+    config = transformer_config(MODEL, ParallelConfig(), on_gpu=False, stem=moe,
+                                hash_moe=HashMoEConfig(num_experts=4, expert_ffn_hidden_size=32))
     block = decoder_block_spec(config, planned_layers(MODEL.num_layers, moe), get_moe_module_spec(False, 4))
     layers["moe"] = _layer_kinds(GPTModel(config=config, transformer_layer_spec=block, vocab_size=V,
                                           max_sequence_length=S, position_embedding_type="rope"))

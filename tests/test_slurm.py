@@ -33,7 +33,7 @@ def tiny(corpus, out_dir, steps, parallel="tp2"):
             f"model.vocab_size={VOCAB}", f"data.vocab_size={VOCAB}", f"data.dir={corpus}", f"out_dir={out_dir}",
             f"train.steps={steps}", "train.log_interval=1", "train.micro_batch_size=4", "train.global_batch_size=8",
             # device tables: megatron clips them with the backbone, so the 1B recipe's separate clip is refused
-            "stem.placement=device", "stem.clip=global"]
+            "host_tables.placement=device", "host_tables.clip=global"]
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""``stem.clip``: with ``separate`` the host tables' gradients are clipped by their own norm and the dense
+"""``host_tables.clip``: with ``separate`` the host tables' gradients are clipped by their own norm and the dense
 gradients by theirs (the released code, docs/recipes.md); with ``global`` both by their joint norm.
 
 Each case trains one step from the same weights and batch twice: unclipped (``train.clip_grad=0``, the
@@ -9,7 +9,7 @@ import distributed
 import pytest
 import torch
 
-from stem_megatron.config import ModelConfig, RunConfig, STEMConfig, TrainConfig
+from stem_megatron.config import HostTablesConfig, ModelConfig, RunConfig, STEMConfig, TrainConfig
 
 MODEL = ModelConfig(num_layers=2, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4, vocab_size=32,
                     seq_length=16)
@@ -17,7 +17,8 @@ MICRO = 2
 
 
 def _cfg(clip, clip_grad):
-    cfg = RunConfig(model=MODEL, stem=STEMConfig(variant="stem", ratio="1/2", optimizer="lazy", clip=clip),
+    cfg = RunConfig(model=MODEL, stem=STEMConfig(variant="stem", ratio="1/2"),
+                    host_tables=HostTablesConfig(optimizer="lazy", clip=clip),
                     train=TrainConfig(steps=4, micro_batch_size=MICRO, global_batch_size=2 * MICRO,
                                       clip_grad=clip_grad))
     cfg.data.vocab_size = MODEL.vocab_size

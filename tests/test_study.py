@@ -116,7 +116,7 @@ def test_each_arm_is_a_hydra_sweep_cut_into_products_of_jobs_size():
     ab = sweep_command(ablation, ablation.points(), "/out/ablation", [])
     assert "variant=stem_1_3" in ab and all(f"{k}={','.join(v)}" in ab for k, v in ABLATION.items())
     assert ablation.run_name(ablation.points()[0]) == "scaled-global-lazy/seed1"
-    assert "hydra.sweep.subdir=${stem.table_init}-${stem.clip}-${stem.optimizer}/seed${train.seed}" in ab
+    assert "hydra.sweep.subdir=${stem.table_init}-${host_tables.clip}-${host_tables.optimizer}/seed${train.seed}" in ab
     st = sweep_command(stress, stress.points(), "/out/stress", [])
     assert {"train.lr=0.03", "variant=dense,stem_1_3,hash_moe", "train.steps=300"} <= set(st)
     assert not any(c.startswith("checkpoint.export") for c in st)  # scored from metrics.jsonl alone
@@ -165,7 +165,7 @@ def test_report_tables_from_fabricated_runs(tmp_path):
     for p in ablation.points():  # xavier worse in every pair, dense Adam better by less than the seed spread
         seed = int(p["train.seed"])
         bad = 0.3 if p["stem.table_init"] == "xavier" else 0.0
-        good = -0.005 if p["stem.optimizer"] == "dense" else 0.0
+        good = -0.005 if p["host_tables.optimizer"] == "dense" else 0.0
         _fake_run(out / "ablation" / ablation.run_name(p), "stem_1_3", seed, 4.5 + bad + good + seed / 100)
     for p in stress.points():
         spikes = {"hash_moe": (10, 25, 30), "dense": (20,), "stem_1_3": ()}[p["variant"]]
@@ -189,9 +189,9 @@ def test_report_tables_from_fabricated_runs(tmp_path):
     assert ("8 pairs of runs (same seed and other settings): difference +0.3000 [+0.3000, +0.3000], lower in 0 and "
             "higher in 8 of 8 pairs: **worse** than the default in every pair (by chance: 2/2^8 = 0.8%)"
             in lines["stem.table_init"])
-    assert "lower in 0 and higher in 0 of 8 pairs: **no consistent difference**" in lines["stem.clip"]
+    assert "lower in 0 and higher in 0 of 8 pairs: **no consistent difference**" in lines["host_tables.clip"]
     assert "difference -0.0050 [-0.0050, -0.0050], lower in 8 and higher in 0 of 8 pairs: **better**" \
-        in lines["stem.optimizer"]  # the pooled ranges overlap (seed spread 0.01), the pairs do not
+        in lines["host_tables.optimizer"]  # the pooled ranges overlap (seed spread 0.01), the pairs do not
     assert "| Hash-MoE-1/3 | 1 | 3 | [10, 25, 30] | 10.500 | 6.000 | no |" in text
     assert "| dense | 2 | 1 | [20] | 10.000 | 6.000 | yes: FloatingPointError: non-finite" in text
     assert "spikes per run dense [1, 1] (1 diverged), STEM-1/3 [0, 0], Hash-MoE-1/3 [3, 3] — **agrees**" in text

@@ -7,7 +7,7 @@ import distributed
 import pytest
 import torch
 
-from stem_megatron.config import ModelConfig, RunConfig, STEMConfig, TrainConfig
+from stem_megatron.config import HostTablesConfig, ModelConfig, RunConfig, STEMConfig, TrainConfig
 
 MODEL = ModelConfig(num_layers=2, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4, vocab_size=64,
                     seq_length=16)
@@ -21,8 +21,8 @@ def _skipped_step(resident_rows):
     from stem_megatron.training.setup import setup_model
     from stem_megatron.training.step import train_step
 
-    cfg = RunConfig(model=MODEL, stem=STEMConfig(variant="stem", ratio="1/2", optimizer="lazy",
-                                                 resident_rows=resident_rows),
+    cfg = RunConfig(model=MODEL, stem=STEMConfig(variant="stem", ratio="1/2"),
+                    host_tables=HostTablesConfig(optimizer="lazy", resident_rows=resident_rows),
                     train=TrainConfig(steps=3, micro_batch_size=MICRO, global_batch_size=MICRO, warmup_ratio=0.0))
     trainer = setup_model(cfg)
     assert isinstance(trainer.optimizer, ChainedOptimizer)

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from stem_megatron.config import ModelConfig, RunConfig, STEMConfig
+from stem_megatron.config import HashMoEConfig, ModelConfig, RunConfig, STEMConfig
 from stem_megatron.flops.mfu import device_peak_tflops, model_flops_per_token, throughput_metrics
 from stem_megatron.training.spikes import SpikeDetector
 from stem_megatron.training.wandb_run import WandbTracker, inspect_offline_run
@@ -175,8 +175,8 @@ def test_model_flops_match_the_flop_counter_of_the_megatron_model():
     as_dict = dataclasses.asdict(BENCH_MODEL)
     assert model_flops_per_token(as_dict, {"variant": "stem", "ratio": "1/3"}) == 36_962_304
     assert model_flops_per_token(BENCH_MODEL, STEMConfig(variant="stem_dagger", ratio="1/2")) == 39_321_600
-    moe = STEMConfig(variant="hash_moe", ratio="1/3", expert_ffn_hidden_size=576)
-    assert model_flops_per_token(BENCH_MODEL, moe) == 39_321_600 - 3 * 2 * (2 * 256 * (768 - 576) * 3)
+    moe = STEMConfig(variant="hash_moe", ratio="1/3"), HashMoEConfig(expert_ffn_hidden_size=576)
+    assert model_flops_per_token(BENCH_MODEL, *moe) == 39_321_600 - 3 * 2 * (2 * 256 * (768 - 576) * 3)
     # grouped-query attention: 2 KV groups shrink K and V projections
     gqa = dataclasses.replace(BENCH_MODEL, num_query_groups=2)
     assert model_flops_per_token(BENCH_MODEL) - model_flops_per_token(gqa) == 3 * 6 * 2 * 256 * 128 * 2

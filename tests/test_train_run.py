@@ -11,7 +11,7 @@ import torch
 from conftest import VOCAB
 from runs import STEPS
 
-from stem_megatron.config import ModelConfig, RunConfig, STEMConfig, TrainConfig
+from stem_megatron.config import HostTablesConfig, ModelConfig, RunConfig, TrainConfig
 from stem_megatron.model.token_context import token_ids
 
 
@@ -61,7 +61,8 @@ def _step_with_bad_batch():
     from stem_megatron.training.step import train_step
 
     cfg = RunConfig(model=ModelConfig(num_layers=2, vocab_size=64, seq_length=8),
-                    stem=STEMConfig(placement="device"), train=TrainConfig(micro_batch_size=1, global_batch_size=1))
+                    host_tables=HostTablesConfig(placement="device"),
+                    train=TrainConfig(micro_batch_size=1, global_batch_size=1))
     trainer = setup_model(cfg)
     tokens = torch.tensor([[1, 2, 64, 3, 4, 5, 6, 7]])
     try:

@@ -1,6 +1,6 @@
-"""The working set (``stem.resident_rows``, host_tables/working_set.py): the rows a step reads kept with their Adam
-state where the step runs, updated there, entering and leaving as steps go. On CPU it runs the host path's kernel, so
-training is bitwise the training without it (losses, tables, moments), through rows entering and leaving, a set that
+"""The working set (``host_tables.resident_rows``, host_tables/working_set.py): the rows a step reads kept with their
+Adam state where the step runs, updated there, entering and leaving as steps go. On CPU it runs the host path's kernel,
+so training is bitwise the training without it (losses, tables, moments), through rows entering and leaving, a set that
 grows, reads of the whole tables mid-run (checkpoints, export) and validation. The GPU's kernel (torch's fused AdamW)
 runs here too, against DeepSpeed's within a stated bound."""
 
@@ -8,7 +8,7 @@ import distributed
 import pytest
 import torch
 
-from stem_megatron.config import ModelConfig, ParallelConfig, RunConfig, STEMConfig, TrainConfig
+from stem_megatron.config import HostTablesConfig, ModelConfig, ParallelConfig, RunConfig, STEMConfig, TrainConfig
 
 MICRO, GLOBAL, STEPS = 2, 4, 8
 MODEL = ModelConfig(num_layers=4, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4, vocab_size=128,
@@ -52,9 +52,10 @@ def _train(tp, pp, optimizer, read_dtype, resident_rows):
     from stem_megatron.training.setup import setup_model
     from stem_megatron.training.step import forward_backward, train_step
 
-    stem = STEMConfig(variant="stem", ratio="1/2", placement="host", optimizer=optimizer, read_dtype=read_dtype,
-                      resident_rows=resident_rows)
-    cfg = RunConfig(model=MODEL, stem=stem, parallel=ParallelConfig(tp, pp),
+    cfg = RunConfig(model=MODEL, stem=STEMConfig(variant="stem", ratio="1/2"),
+                    host_tables=HostTablesConfig(placement="host", optimizer=optimizer, read_dtype=read_dtype,
+                                                 resident_rows=resident_rows),
+                    parallel=ParallelConfig(tp, pp),
                     train=TrainConfig(steps=STEPS, micro_batch_size=MICRO, global_batch_size=GLOBAL, lr=1e-2))
     if resident_rows and optimizer == "dense":
         _slow_decay()
@@ -355,7 +356,8 @@ def test_a_run_with_a_working_set_resumes_exactly_and_equals_the_host_step(runs,
     from runs import train
 
     host = runs.shared("parallel=tp2", nproc=2)
-    resident = ("parallel=tp2", "stem.resident_rows=16")  # ~40 distinct ids a step: the set grows, then rows leave
+    # ~40 distinct ids a step: the set grows, then rows leave
+    resident = ("parallel=tp2", "host_tables.resident_rows=16")
     first = train(runs.corpus, tmp_path, *resident, "train.exit_after_steps=4", nproc=2)
     assert "working set grows" in first.stdout
     second = train(runs.corpus, tmp_path, *resident, nproc=2)

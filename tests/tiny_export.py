@@ -5,17 +5,19 @@ import the functions they are given by module name."""
 import torch
 from conftest import VOCAB
 
-from stem_megatron.config import DataConfig, ModelConfig, RunConfig, STEMConfig
+from stem_megatron.config import DataConfig, HashMoEConfig, ModelConfig, RunConfig, STEMConfig
 
 D, D_FF = 32, 96
 
 
-def tiny_config(corpus, num_layers: int, seq_length: int, **stem) -> RunConfig:
-    """d=32, d_ff=96, 4 heads; by default STEM at ratio full (layer 0 a dense SwiGLU FFN, the others STEM)."""
+def tiny_config(corpus, num_layers: int, seq_length: int, hash_moe: HashMoEConfig | None = None, **stem) -> RunConfig:
+    """d=32, d_ff=96, 4 heads; by default STEM at ratio full (layer 0 a dense SwiGLU FFN, the others STEM);
+    ``hash_moe``: the experts of ``variant="hash_moe"``."""
     return RunConfig(
         model=ModelConfig(num_layers=num_layers, hidden_size=D, ffn_hidden_size=D_FF, num_attention_heads=4,
                           vocab_size=VOCAB, seq_length=seq_length),
         stem=STEMConfig(**({"variant": "stem", "ratio": "full"} | stem)),
+        hash_moe=hash_moe or HashMoEConfig(),
         data=DataConfig(dir=str(corpus), vocab_size=VOCAB),
     )
 

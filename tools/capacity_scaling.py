@@ -113,10 +113,11 @@ def plot(result: dict, path) -> Path:
 def model_dims(export) -> tuple[int, int, int]:
     """``(d_ff, number of STEM layers, vocab_size)`` from an export's config.json (no weights read)."""
     from stem_megatron.config import to_run_config
+    from stem_megatron.config_moves import upgrade_saved_config
     from stem_megatron.export.format import CONFIG
     from stem_megatron.layer_plan import stem_layer_indices
 
-    cfg = to_run_config(json.loads((Path(export) / CONFIG).read_text()))
+    cfg = to_run_config(upgrade_saved_config(json.loads((Path(export) / CONFIG).read_text())))
     if cfg.stem.variant not in ("stem", "stem_dagger", "stem_gate"):
         raise ValueError(f"export {export} is variant {cfg.stem.variant!r}: it has no STEM tables")
     layers = stem_layer_indices(cfg.model.num_layers, cfg.stem.ratio, cfg.stem.layers)

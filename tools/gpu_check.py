@@ -265,8 +265,9 @@ def main(argv=None) -> int:
     ap.add_argument("--baseline", type=Path, default=None, help="an earlier run's gpu_step.json, shown beside")
     ap.add_argument("--steps", type=int, default=6, help="steps per gpu_step run (default 6)")
     ap.add_argument("--warmup", type=int, default=AUDIT_STEP, help="steps left out of the timings (default 3)")
-    ap.add_argument("overrides", nargs="*", help="Hydra overrides for every step run, e.g. stem.host_memory_gib=110 "
-                                                 "on a VM whose RAM grows as it is used (docs/gpu.md, A lent GPU)")
+    ap.add_argument("overrides", nargs="*", help="Hydra overrides for every step run, e.g. "
+                                                 "host_tables.host_memory_gib=110 on a VM whose RAM grows as it is "
+                                                 "used (docs/gpu.md, A lent GPU)")
     args = ap.parse_args(argv)
     parts = PARTS + (EXTRA if args.all else ())
     if args.dry_run:  # stdlib only: any Python, before setup

@@ -20,7 +20,8 @@ from megatron.core import parallel_state
 
 from stem_megatron.checkpoint import atomic, dense, host_tables, train_state
 from stem_megatron.checkpoint.atomic import CheckpointError
-from stem_megatron.config import ModelConfig, RunConfig, STEMConfig
+from stem_megatron.config import RunConfig
+from stem_megatron.config_moves import flat_stem, new_key
 
 
 def root_dir(cfg: RunConfig) -> Path:
@@ -36,9 +37,11 @@ def _layout() -> dict:
 
 
 def _identity(cfg: RunConfig) -> dict:
-    """What must match for a checkpoint to load: the model and which layers are STEM / where tables live."""
+    """What must match for a checkpoint to load: the model and which layers are STEM / where tables live. ``stem``:
+    the flat dict of before issue 54 (``config_moves.flat_stem``), so checkpoints saved before it still load."""
+    stem = flat_stem(*(dataclasses.asdict(group) for group in (cfg.stem, cfg.host_tables, cfg.hash_moe)))
     return {"model": dataclasses.asdict(cfg.model),
-            "stem": {k: v for k, v in dataclasses.asdict(cfg.stem).items()
+            "stem": {k: v for k, v in stem.items()
                      if k not in ("prefetch_depth", "cache_rows", "shm_dir", "host_memory_gib",
                                   "overlap_exchange", "overlap_update")}}
 
@@ -112,13 +115,14 @@ def _check_compatible(cfg: RunConfig, manifest: dict, path: Path, layout: dict) 
     when EP > 1, and its state does not map onto the other structure."""
     want = _identity(cfg)
     # a setting added after the checkpoint was saved: it trained with what is now the default
-    defaults = _identity(RunConfig(model=ModelConfig(), stem=STEMConfig()))
+    defaults = _identity(RunConfig())
     for part in ("model", "stem"):
         saved = {**defaults[part], **manifest.get(part, {})}
         diff = sorted(k for k in set(want[part]) | set(saved) if want[part].get(k) != saved.get(k))
         if diff:
+            keys = [f"model.{k}" if part == "model" else new_key(k) for k in diff]
             raise CheckpointError(
-                f"{path} was saved with a different {part} config ({', '.join(f'{part}.{k}' for k in diff)}: "
+                f"{path} was saved with a different {part} config ({', '.join(keys)}: "
                 f"checkpoint {[saved.get(k) for k in diff]} vs this run "
                 f"{[want[part].get(k) for k in diff]}); resume with the checkpoint's settings")
     saved, now = manifest["layout"]["ep"], layout["ep"]

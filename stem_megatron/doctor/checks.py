@@ -93,8 +93,8 @@ def check_shm(overrides: Sequence[str]) -> tuple[str, str]:
     free = shutil.disk_usage("/dev/shm").free
     if free < need:
         raise Broken(f"{_gib(free)} free, {run}'s host tables need {_gib(need)} on one node: ask the job for more "
-                     f"memory (tmpfs counts against it), or use stem.placement=device / more pipeline stages / more "
-                     f"nodes (`stem-flops --memory {' '.join(overrides)} --nodes N` plans them)")
+                     f"memory (tmpfs counts against it), or use host_tables.placement=device / more pipeline stages / "
+                     f"more nodes (`stem-flops --memory {' '.join(overrides)} --nodes N` plans them)")
     return OK, f"{_gib(free)} free, {run}'s host tables need {_gib(need)} on one node"
 
 

@@ -5,10 +5,10 @@ Layout (format ``stem-megatron-export-v1``)::
     config.json      the RunConfig as ``dataclasses.asdict`` (the training config, layout included)
     model.pt         torch.save({"format": FORMAT, "weights": {name: full tensor}})
     tokenizer.json   the HF ``tokenizers`` file of the data dir (when there is one)
-    hash_counts.npy  Hash-MoE token counts, when ``stem.hash_map`` is ``frequency:<counts.npy>``
+    hash_counts.npy  Hash-MoE token counts, when ``hash_moe.hash_map`` is ``frequency:<counts.npy>``
 
 Weight names and shapes are those of ``named_parameters()`` of the single-process model
-(``single_process.build_single_process_model``: TP=PP=EP=1, ``stem.placement=device``): every STEM
+(``single_process.build_single_process_model``: TP=PP=EP=1, ``host_tables.placement=device``): every STEM
 table is one full V x d_ff parameter ``decoder.layers.{i}.mlp.U_l.weight``, layers and Hash-MoE
 experts carry global indices (``model.sharding.global_name``). The checkpoint code writes it after
 gathering TP/PP/EP shards and the host-resident tables; ``read_export`` checks it against the model
@@ -28,6 +28,7 @@ import torch
 from omegaconf.errors import OmegaConfBaseException
 
 from stem_megatron.config import RunConfig, to_run_config
+from stem_megatron.config_moves import upgrade_saved_config
 from stem_megatron.durable import fsync_dir, write_synced
 from stem_megatron.export.single_process import parameter_shapes
 
@@ -60,10 +61,10 @@ def write_export(out_dir, run_config: RunConfig, weights: Mapping[str, torch.Ten
     tmp.mkdir()
     try:
         config = dataclasses.asdict(run_config)
-        hash_map = run_config.stem.hash_map
+        hash_map = run_config.hash_moe.hash_map
         if run_config.stem.variant == "hash_moe" and hash_map.startswith(_FREQUENCY):
             _copy(Path(hash_map[len(_FREQUENCY):]), tmp / HASH_COUNTS)
-            config["stem"]["hash_map"] = _FREQUENCY + HASH_COUNTS  # resolved against the export by read_export
+            config["hash_moe"]["hash_map"] = _FREQUENCY + HASH_COUNTS  # resolved against the export by read_export
         write_synced(tmp / CONFIG, json.dumps(config, indent=2).encode())
         payload = {"format": FORMAT, "weights": {name: _compact(t) for name, t in weights.items()}}
         with open(tmp / WEIGHTS, "wb") as f:
@@ -82,7 +83,8 @@ def write_export(out_dir, run_config: RunConfig, weights: Mapping[str, torch.Ten
 
 
 def read_export(path) -> tuple[RunConfig, dict[str, torch.Tensor], Optional[Path]]:
-    """``(run_config, weights, tokenizer.json path or None)`` of an export, checked against its model.
+    """``(run_config, weights, tokenizer.json path or None)`` of an export, checked against its model (an export
+    written before issue 54 split ``stem`` read as today's layout).
 
     Building the reference model needs a TP=PP=EP=1 megatron state (started here when none exists).
     """
@@ -94,11 +96,11 @@ def read_export(path) -> tuple[RunConfig, dict[str, torch.Tensor], Optional[Path
         if not f.is_file():
             raise ExportError(f"{f} is missing: {root} is not a complete export (re-export the checkpoint)")
     try:
-        cfg = to_run_config(json.loads(config_file.read_text()))
+        cfg = to_run_config(upgrade_saved_config(json.loads(config_file.read_text())))
     except (json.JSONDecodeError, OmegaConfBaseException) as e:
         raise ExportError(f"{config_file} is not a valid RunConfig: {e}") from None
-    if cfg.stem.hash_map == _FREQUENCY + HASH_COUNTS:
-        cfg.stem.hash_map = _FREQUENCY + str(root / HASH_COUNTS)
+    if cfg.hash_moe.hash_map == _FREQUENCY + HASH_COUNTS:
+        cfg.hash_moe.hash_map = _FREQUENCY + str(root / HASH_COUNTS)
     try:
         payload = torch.load(weights_file, map_location="cpu", weights_only=True)
     except Exception as e:  # torch raises RuntimeError/EOFError/UnpicklingError for damaged archives

@@ -24,7 +24,7 @@ from stem_megatron.model.gpt import build_gpt, transformer_config
 def single_process_config(cfg: RunConfig) -> RunConfig:
     """``cfg`` with the layout of an export: one process, STEM tables as device parameters."""
     return dataclasses.replace(
-        cfg, stem=dataclasses.replace(cfg.stem, placement="device"), parallel=ParallelConfig()
+        cfg, host_tables=dataclasses.replace(cfg.host_tables, placement="device"), parallel=ParallelConfig()
     )
 
 
@@ -59,9 +59,11 @@ def build_single_process_model(cfg: RunConfig, meta: bool = False) -> GPTModel:
     """
     cfg = single_process_config(cfg)
     ensure_single_process_state(cfg.train.seed)
-    config = transformer_config(cfg.model, cfg.parallel, on_gpu=False, use_cpu_initialization=True, stem=cfg.stem)
+    config = transformer_config(cfg.model, cfg.parallel, on_gpu=False, use_cpu_initialization=True, stem=cfg.stem,
+                                hash_moe=cfg.hash_moe)
     with torch.device("meta") if meta else contextlib.nullcontext():
-        return build_gpt(cfg.model, cfg.stem, config, use_te=False, pre_process=True, post_process=True)
+        return build_gpt(cfg.model, cfg.stem, config, use_te=False, pre_process=True, post_process=True,
+                         hash_moe=cfg.hash_moe)
 
 
 def parameter_shapes(cfg: RunConfig) -> dict[str, torch.Size]:

@@ -2,7 +2,7 @@
 
 Every parameter is gathered over its tensor-parallel group into the full tensor and renamed to the
 single-process name (global layer and expert indices, ``model.sharding``); host-resident tables
-become the ``decoder.layers.<i>.mlp.U_l.weight`` parameters of a ``stem.placement=device`` model.
+become the ``decoder.layers.<i>.mlp.U_l.weight`` parameters of a ``host_tables.placement=device`` model.
 Owners (DP rank 0, expert-DP rank 0 for experts) write their parts to a scratch directory and rank 0
 assembles the export, so no rank needs more memory than the final single-process model.
 """
@@ -75,7 +75,7 @@ def export(cfg: RunConfig, trainer, out_dir: Path, tokenizer_path: Path | None =
         weights = {}
         for path in sorted(scratch.glob("rank*.pt")):
             weights.update(torch.load(path, map_location="cpu", weights_only=True))
-        config = dataclasses.replace(cfg, stem=dataclasses.replace(cfg.stem, placement="device"))
+        config = dataclasses.replace(cfg, host_tables=dataclasses.replace(cfg.host_tables, placement="device"))
         write_export(out_dir, config, weights, tokenizer_path)
         shutil.rmtree(scratch)
     dist.barrier()

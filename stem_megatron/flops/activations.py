@@ -99,7 +99,7 @@ def kept_bytes(cfg: RunConfig, layout: Layout, stage: int, distinct_ids: int = 0
     norm = 2 * hidden * w + FP32 if gpu else (3 * hidden + 1) * FP32  # a norm and the linear after it
     attention = attention_kept(cfg, layout)[1]
     replaced = set(planned_layers(m.num_layers, s))
-    compact = s.variant == "stem" and s.placement == "host"  # ``stem_rows``' product over compact rows
+    compact = s.variant == "stem" and cfg.host_tables.placement == "host"  # ``stem_rows``' product over compact rows
     per_token, compact_layers = 0.0, 0
     for i in stage_layers(cfg, layout.pp, stage):
         per_token += 2 * norm + attention + _ffn_terms(s.variant if i in replaced else "dense", gpu, compact) * f * w

@@ -59,7 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="write one JSON document to PATH (no PATH: print it instead of the text; put it last)")
     memory = parser.add_argument_group(
         "memory plan", "--memory: host bytes per node and device bytes per GPU of a run; the positional arguments are "
-                       "stem-train's recipe overrides (+experiment=pretrain_1b variant=stem_1_3 stem.cache_rows=4096)")
+                       "stem-train's recipe overrides (+experiment=pretrain_1b variant=stem_1_3 "
+                       "host_tables.cache_rows=4096)")
     memory.add_argument("--memory", action="store_true", help="print the memory plan of the run the overrides compose")
     memory.add_argument("--nodes", type=int, default=1, help="nodes (default 1)")
     memory.add_argument("--gpus-per-node", type=int, default=8, help="GPUs (ranks) per node (default 8); DP = "
@@ -115,15 +116,16 @@ def _memory(args) -> dict:
     if args.json != "-":
         machine = None
         if args.here:
-            if not os.path.isdir(cfg.stem.shm_dir):
-                raise FlopsError(f"--here: this machine has no {cfg.stem.shm_dir} (stem.shm_dir) to hold the tables")
-            machine = (cfg.stem.shm_dir, *free_space(cfg.stem.shm_dir, cfg.stem.host_memory_gib))
+            shm_dir = cfg.host_tables.shm_dir
+            if not os.path.isdir(shm_dir):
+                raise FlopsError(f"--here: this machine has no {shm_dir} (host_tables.shm_dir) to hold the tables")
+            machine = (shm_dir, *free_space(shm_dir, cfg.host_tables.host_memory_gib))
         print_plan(result, " ".join(args.models) or "the demo (recipes/train.yaml)", machine)
         rows = result.get("working_set_within", {}).get("rows")
         if rows is not None:
             goal = f"within dense's + {WITHIN_DENSE - 1:.0%} on this layout (the GPU step's memory goal)"
-            print(f"a working set {goal}: stem.resident_rows <= {rows:,} (a set too small for a step's rows grows)"
-                  if rows else f"no working set fits {goal} at these distinct ids")
+            print(f"a working set {goal}: host_tables.resident_rows <= {rows:,} (a set too small for a step's rows "
+                  f"grows)" if rows else f"no working set fits {goal} at these distinct ids")
     return result
 
 

@@ -2,7 +2,7 @@
 
 Host, per node, as the code lays it out (``host_tables/store.py``, ``node.py``, ``ownership.py``): for every
 pipeline stage with ranks on the node and each STEM layer of that stage, the node-shared copy of ``U_l``
-(``[tp, V, d_ff/tp]``: every row on every node, fp32 or bf16 by ``stem.read_dtype``) and the Adam moments of
+(``[tp, V, d_ff/tp]``: every row on every node, fp32 or bf16 by ``host_tables.read_dtype``) and the Adam moments of
 the rows the node owns (2 x ``[tp, owned, d_ff/tp]``, owned = the node's range of ``RowOwnership``, ~V/N over
 the N nodes its DP group spans), with bf16 copies also their fp32 master rows (``[tp, owned, d_ff/tp]``):
 exactly the files ``node.shared_tensors`` creates. Per rank: the process (python, torch, megatron, DeepSpeed's
@@ -10,7 +10,7 @@ op, gloo, datasets; measured), the row gradients CPU Adam reads, and on GPU the 
 before step 1 (``host_tables/transfer.py``, the same functions), block by block as torch pins it (each rounded up to
 a power of two, ``pinned_block_bytes``): the staging slots fetched rows pass through (two fetches' rows, in bf16,
 and their indices) and one landing buffer per layer for the row gradients the rank updates, both at the ids'
-bound; with a working set (``stem.resident_rows``) no gradient lands, and its entering and leaving rows' staging
+bound; with a working set (``host_tables.resident_rows``) no gradient lands, and its entering and leaving rows' staging
 and landing are reserved instead (``working_set_bytes``, at the set's size or the ids' bound), and its rows staged
 ahead (``staged_bytes``). The dense model has no host copy.
 
@@ -90,14 +90,14 @@ def check_layout(cfg: RunConfig, layout: Layout) -> None:
 
 def host_stem_layers(cfg: RunConfig, pp: int, stage: int) -> list[int]:
     """0-based STEM layers of ``stage`` whose ``U_l`` lives in host memory."""
-    if cfg.stem.placement != "host" or cfg.stem.variant in ("dense", "hash_moe"):
+    if cfg.host_tables.placement != "host" or cfg.stem.variant in ("dense", "hash_moe"):
         return []
     return [i for i in planned_layers(cfg.model.num_layers, cfg.stem) if i in stage_layers(cfg, pp, stage)]
 
 
 def rank_parameters(cfg: RunConfig, layout: Layout, stage: int) -> tuple[int, int]:
     """(parameters, of which Hash-MoE experts) of one rank of ``stage``: megatron's shapes, TP-sharded."""
-    m, s, tp = cfg.model, cfg.stem, layout.tp
+    m, s, e, tp = cfg.model, cfg.stem, cfg.hash_moe, layout.tp
     d, f, V = m.hidden_size, m.ffn_hidden_size, m.vocab_size
     kv = (m.num_query_groups or m.num_attention_heads) * (d // m.num_attention_heads)
     replaced = set(planned_layers(m.num_layers, s))
@@ -107,10 +107,11 @@ def rank_parameters(cfg: RunConfig, layout: Layout, stage: int) -> tuple[int, in
         if i not in replaced:
             total += 3 * d * f // tp
         elif s.variant == "hash_moe":
-            e = s.num_experts // cfg.parallel.expert_model_parallel_size * 3 * d * (s.expert_ffn_hidden_size or f)
-            total, experts = total + e, experts + e
+            local = e.num_experts // cfg.parallel.expert_model_parallel_size * 3 * d * (e.expert_ffn_hidden_size or f)
+            total, experts = total + local, experts + local
         else:
-            total += FFN_MATMULS[s.variant] * d * f // tp + (V * f // tp if s.placement == "device" else 0)
+            device_table = V * f // tp if cfg.host_tables.placement == "device" else 0
+            total += FFN_MATMULS[s.variant] * d * f // tp + device_table
     if stage == 0:
         total += V * d // tp  # embedding
     if stage == layout.pp - 1:
@@ -135,7 +136,7 @@ def node_shared_bytes(cfg: RunConfig, layout: Layout, node: int) -> dict[str, in
     """Bytes of the node-shared files of ``node`` (``node.shared_tensors``): table copies, and the owned rows'
     moments (and fp32 masters, with bf16 copies)."""
     V, row = cfg.model.vocab_size, cfg.model.ffn_hidden_size // layout.tp * FP32
-    bf16 = cfg.stem.read_dtype == "bf16"
+    bf16 = cfg.host_tables.read_dtype == "bf16"
     out = {"tables": 0, "masters": 0, "moments": 0}
     for stage, dp_node, dp_nodes, peers in _node_stages(layout, node):
         layers = len(host_stem_layers(cfg, layout.pp, stage))
@@ -151,18 +152,18 @@ def pinned_bytes(cfg: RunConfig, layout: Layout, stage: tuple[int, int, int, int
     functions; ``stage``: an entry of ``_node_stages``, ``layers`` its STEM layers, ``itemsize`` a row's as it
     travels), at the ids' bound, each block as torch pins it: a rank's staging slots, and its landing buffers (one
     a layer) or its working set's slots, landing buffers (one a layer and kind of state) and rows staged ahead."""
-    m, s, t = cfg.model, cfg.stem, cfg.train
+    m, h, t = cfg.model, cfg.host_tables, cfg.train
     V, cols, tokens = m.vocab_size, m.ffn_hidden_size // layout.tp, t.micro_batch_size * m.seq_length
     _, dp_node, dp_nodes, peers = stage
     slot = max(staging_bytes(layers, min(V, tokens), cols, itemsize, tokens),
-               cache_staging_bytes(min(s.cache_rows, V), cols, itemsize))
+               cache_staging_bytes(min(h.cache_rows, V), cols, itemsize))
     micro = t.global_batch_size // (t.micro_batch_size * layout.dp)
     step_ids = layout.dp * min(V, micro * tokens)  # as the store bounds them (``store.py``)
     total = 0
     for peer in range(peers):
         rows = landing_rows(RowOwnership(V, dp_nodes, dp_node, peers, peer), step_ids)
-        if s.resident_rows:  # gradients stay on the device; the working set's rows move through its own
-            moving = min(s.resident_rows, rows)
+        if h.resident_rows:  # gradients stay on the device; the working set's rows move through its own
+            moving = min(h.resident_rows, rows)
             staged, kept = working_set_bytes(moving, cols, tokens)
             own = [staged] * STAGING_SLOTS + [kept] * (3 * layers) + [
                 staged_bytes(staged_rows(moving, layers), layers, cols)]
@@ -178,12 +179,12 @@ def plan(cfg: RunConfig, layout: Layout, distinct_ids: Optional[int] = None,
     ``distinct_ids``: a micro-batch's, ``step_distinct_ids``: a step's (one DP rank's), ``group_distinct_ids``: a
     step's of the DP group; default: their bounds."""
     check_layout(cfg, layout)
-    m, s, t, par = cfg.model, cfg.stem, cfg.train, cfg.parallel
+    m, h, t, par = cfg.model, cfg.host_tables, cfg.train, cfg.parallel
     V, gpu, dp, row = m.vocab_size, layout.device == "gpu", layout.dp, m.ffn_hidden_size // layout.tp * FP32
     micro = t.global_batch_size // (t.micro_batch_size * dp)
     uniq = min(V, distinct_ids or t.micro_batch_size * m.seq_length)
     step_uniq = min(V, micro * uniq, step_distinct_ids or V)  # distinct ids of a step (one DP rank's micro-batches)
-    copy_row = row // (2 if s.read_dtype == "bf16" else 1)  # a row of the host copies
+    copy_row = row // (2 if h.read_dtype == "bf16" else 1)  # a row of the host copies
     travel_row = min(copy_row, row // 2) if gpu else copy_row  # a row as it travels (bf16 on GPU): staging, cache
     stages = []
     for p in range(layout.pp):
@@ -197,15 +198,15 @@ def plan(cfg: RunConfig, layout: Layout, distinct_ids: Optional[int] = None,
             "parameters": params * (2 if gpu else FP32),
             "gradients": params * FP32,
             "optimizer": int(state * sharded),
-            "hot_row_cache": layers * min(s.cache_rows, V) * travel_row,
+            "hot_row_cache": layers * min(h.cache_rows, V) * travel_row,
             # fp32 master, exp_avg, exp_avg_sq a slot; at DP > 1 the step's rows received from their owners
             # (step_rows.StepRows)
-            "working_set": layers * min(s.resident_rows, V) * 3 * row
-            + layers * step_uniq * travel_row * (dp > 1 and s.resident_rows > 0),
+            "working_set": layers * min(h.resident_rows, V) * 3 * row
+            + layers * step_uniq * travel_row * (dp > 1 and h.resident_rows > 0),
             # the step's merged row gradients (one buffer a layer over its distinct ids), the fp32 rows of the
             # micro-batches in flight and queued by the prefetcher (a working set's queue holds slots, not rows),
             # one micro-batch's gradient being merged and one layer's exchange (pipeline.RowGradients)
-            "step_rows": (layers * step_uniq + min(micro, in_flight + s.prefetch_depth * (not s.resident_rows))
+            "step_rows": (layers * step_uniq + min(micro, in_flight + h.prefetch_depth * (not h.resident_rows))
                           * layers * uniq + bool(layers) * (uniq + 2 * step_uniq)) * row,
             "activations": activation_bytes(cfg, layout, p, in_flight, uniq),
             # CPU: gloo's reduce-scatter of the grad buffer and all-gather of the param buffer (distributed
@@ -234,24 +235,24 @@ def plan(cfg: RunConfig, layout: Layout, distinct_ids: Optional[int] = None,
                       "ranks": ranks, "total": sum(shared.values()) + sum(ranks.values())})
     return {"layout": asdict(layout) | {"dp": dp}, "micro_batches": micro, "distinct_ids": uniq,
             "step_distinct_ids": step_uniq, "attention": attention_kept(cfg, layout)[0],
-            "optimizer": s.optimizer, "distributed_optimizer": par.use_distributed_optimizer, "stages": stages,
+            "optimizer": h.optimizer, "distributed_optimizer": par.use_distributed_optimizer, "stages": stages,
             "nodes": nodes}
 
 
 def working_set_within(cfg: RunConfig, layout: Layout, ratio: float, distinct_ids: Optional[int] = None,
                        step_distinct_ids: Optional[int] = None) -> int:
-    """The most rows a layer ``stem.resident_rows`` can hold while every stage's device plan stays within ``ratio``
-    times the dense model's on ``layout`` (the same micro-batches), at most V; 0 where not even one row fits. The
-    plan grows by the same bytes with each row (its master and moments in every STEM layer of the stage), read off
-    the plans of sets of one and two rows. A set smaller than a step's distinct ids grows in the run
+    """The most rows a layer ``host_tables.resident_rows`` can hold while every stage's device plan stays within
+    ``ratio`` times the dense model's on ``layout`` (the same micro-batches), at most V; 0 where not even one row
+    fits. The plan grows by the same bytes with each row (its master and moments in every STEM layer of the stage),
+    read off the plans of sets of one and two rows. A set smaller than a step's distinct ids grows in the run
     (``working_set.py``)."""
-    def stages(**stem) -> list[int]:
-        planned = plan(replace(cfg, stem=replace(cfg.stem, **stem)), layout, distinct_ids, step_distinct_ids)
-        return [stage["device_total"] for stage in planned["stages"]]
+    def stages(resident_rows: int, variant: str = cfg.stem.variant) -> list[int]:
+        run = replace(cfg, stem=replace(cfg.stem, variant=variant),
+                      host_tables=replace(cfg.host_tables, resident_rows=resident_rows))
+        return [stage["device_total"] for stage in plan(run, layout, distinct_ids, step_distinct_ids)["stages"]]
 
     rows = cfg.model.vocab_size
-    for dense, one, two in zip(stages(variant="dense", resident_rows=0), stages(resident_rows=1),
-                               stages(resident_rows=2)):
+    for dense, one, two in zip(stages(0, variant="dense"), stages(1), stages(2)):
         per_row = two - one
         if per_row:  # a stage with STEM layers
             rows = min(rows, max(0, math.floor((ratio * dense - (one - per_row)) / per_row)))

@@ -30,13 +30,13 @@ PEAK_BF16_TFLOPS: tuple[tuple[str, float], ...] = (
 )
 
 
-def model_flops_per_token(model: Any, stem: Any = None) -> int:
+def model_flops_per_token(model: Any, stem: Any = None, hash_moe: Any = None) -> int:
     """Training (forward + backward = 3x forward) matmul FLOPs per token of the whole model, from
     ``stem_megatron.flops.counts``' exact count (GQA-aware, attention over the full sequence, LM head;
-    equal to ``torch.utils.flop_counter`` on the megatron-core model). ``model``/``stem`` are
-    ``ModelConfig``/``STEMConfig`` or their dicts from config.json."""
+    equal to ``torch.utils.flop_counter`` on the megatron-core model). ``model``/``stem``/``hash_moe`` are
+    ``ModelConfig``/``STEMConfig``/``HashMoEConfig`` or their dicts from config.json."""
     arch = arch_from_model_config(_as_dict(model))
-    variant = DENSE if stem is None else variant_from_stem_config(stem)
+    variant = DENSE if stem is None else variant_from_stem_config(stem, hash_moe)
     seq = arch.seq_length
     return training_flops(arch, seq, variant)["total"] // seq
 

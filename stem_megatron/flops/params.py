@@ -14,10 +14,10 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from stem_megatron.flops.arch import DEFAULT_SEQ_LENGTH, Arch, FlopsError
-from stem_megatron.flops.variants import DENSE, FFN_MATMULS, Variant, to_stem_config
+from stem_megatron.flops.variants import DENSE, FFN_MATMULS, Variant, to_hash_moe_config, to_stem_config
 
 if TYPE_CHECKING:
-    from stem_megatron.config import ModelConfig, STEMConfig
+    from stem_megatron.config import HashMoEConfig, ModelConfig, STEMConfig
 
 
 @dataclass
@@ -76,8 +76,9 @@ def to_model_config(arch: Arch, seq_length: int | None = None) -> ModelConfig:
                        seq_length=seq_length or arch.seq_length or DEFAULT_SEQ_LENGTH)
 
 
-def count_parameters(model: ModelConfig, stem: STEMConfig) -> ParamCount:
-    """Counts for one process (TP=PP=1); needs megatron's parallel state initialised (world of 1)."""
+def count_parameters(model: ModelConfig, stem: STEMConfig, hash_moe: HashMoEConfig | None = None) -> ParamCount:
+    """Counts for one process (TP=PP=1); needs megatron's parallel state initialised (world of 1). ``hash_moe``: the
+    experts of ``stem.variant=hash_moe`` (None: its defaults)."""
     import torch
     from megatron.core.transformer.moe.moe_layer import MoELayer
 
@@ -85,13 +86,14 @@ def count_parameters(model: ModelConfig, stem: STEMConfig) -> ParamCount:
     from stem_megatron.model.device_table import DeviceRowTable
     from stem_megatron.model.gpt import build_gpt, transformer_config
 
-    config = transformer_config(model, ParallelConfig(), on_gpu=False, use_cpu_initialization=True, stem=stem)
+    config = transformer_config(model, ParallelConfig(), on_gpu=False, use_cpu_initialization=True, stem=stem,
+                                hash_moe=hash_moe)
     with torch.device("meta"):
-        gpt = build_gpt(model, stem, config, pre_process=True, post_process=True)
+        gpt = build_gpt(model, stem, config, pre_process=True, post_process=True, hash_moe=hash_moe)
     total = sum(p.numel() for p in gpt.parameters())
     tables = sum(m.weight.numel() for m in gpt.modules() if isinstance(m, DeviceRowTable))
     experts = sum(p.numel() for m in gpt.modules() if isinstance(m, MoELayer) for p in m.experts.parameters())
-    inactive_experts = experts * (stem.num_experts - 1) // stem.num_experts if experts else 0
+    inactive_experts = experts * (config.num_moe_experts - 1) // config.num_moe_experts if experts else 0
     return ParamCount(total=total, tables=tables, inactive_experts=inactive_experts)
 
 
@@ -107,15 +109,15 @@ def megatron_parameters(pairs: Iterable[tuple[Arch, Variant]], seed: int = 0) ->
     for arch, variant in pairs:
         if variant.ratio == "all" and variant.layers is None and variant.variant != "dense":
             variant = replace(variant, layers=tuple(range(arch.num_layers)))
-        jobs.append((to_model_config(arch), to_stem_config(variant)))
+        jobs.append((to_model_config(arch), to_stem_config(variant), to_hash_moe_config(variant)))
     started = not parallel_state.model_parallel_is_initialized()
     if started:
         parallel.single_process_env()
         parallel.initialize(1, 1, seed)
     try:
         out = []
-        for model, stem in jobs:
-            c = count_parameters(model, stem)
+        for model, stem, hash_moe in jobs:
+            c = count_parameters(model, stem, hash_moe)
             out.append({"total": c.total, "tables": c.tables, "inactive_experts": c.inactive_experts,
                         "active": c.active})
         return out

@@ -1,5 +1,5 @@
 """Which FFN layers a model replaces and by what: a ``Variant`` from a name (``stem-1/3``), a
-recipes/variant file or a ``STEMConfig``, and back to a ``STEMConfig``."""
+recipes/variant file or a ``STEMConfig`` and ``HashMoEConfig``, and back to those."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ FFN_MATMULS = {"dense": 3, "stem": 2, "stem_gate": 2, "stem_dagger": 3, "hash_mo
 
 @dataclass(frozen=True)
 class Variant:
-    """Which FFN layers are replaced and by what (mirrors STEMConfig; ratio "all" = every layer)."""
+    """Which FFN layers are replaced and by what (mirrors STEMConfig and HashMoEConfig; ratio "all" = every layer)."""
 
     variant: str = "stem"
     ratio: str = "1/3"
@@ -58,27 +58,34 @@ class Variant:
 DENSE = Variant("dense", "0")
 
 
-def variant_from_stem_config(stem: Any) -> Variant:
-    """The ``Variant`` of a ``STEMConfig`` (or its dict from config.json)."""
-    get = (lambda k, d=None: stem.get(k, d)) if isinstance(stem, Mapping) else (lambda k, d=None: getattr(stem, k, d))
+def variant_from_stem_config(stem: Any, hash_moe: Any = None) -> Variant:
+    """The ``Variant`` of a ``STEMConfig`` and ``HashMoEConfig`` (or their dicts from config.json; ``hash_moe``
+    None: its defaults)."""
+    get, moe = _getter(stem), _getter(hash_moe or {})
     if get("variant", "dense") == "dense":
         return DENSE
     layers = get("layers")
     return Variant(variant=get("variant"), ratio=str(get("ratio", "1/3")),
-                   layers=tuple(layers) if layers is not None else None, num_experts=get("num_experts", 16),
-                   expert_ffn_hidden_size=get("expert_ffn_hidden_size"))
+                   layers=tuple(layers) if layers is not None else None, num_experts=moe("num_experts", 16),
+                   expert_ffn_hidden_size=moe("expert_ffn_hidden_size"))
+
+
+def _getter(cfg: Any):
+    """``get(key, default)`` of a config dataclass or its dict."""
+    return cfg.get if isinstance(cfg, Mapping) else lambda key, default=None: getattr(cfg, key, default)
 
 
 def parse_variant(text: str) -> Variant:
     """``dense``, ``stem``, ``stem-1/3``, ``stem_dagger-full``, ``stem-all``, or a recipes/variant name
-    (``stem_1_3``, ``hash_moe``, ...)."""
+    (``stem_1_3``, ``hash_moe``, ...: a file of package ``stem``, or a global one with ``stem:`` and ``hash_moe:``)."""
     text = str(text).strip()
     recipe = VARIANT_RECIPES / f"{text}.yaml"
     if "/" not in text and recipe.is_file():
         cfg = yaml.safe_load(recipe.read_text(encoding="utf-8")) or {}
-        return Variant(variant=cfg.get("variant", "stem"), ratio=str(cfg.get("ratio", "1/3")),
-                       num_experts=int(cfg.get("num_experts", 16)),
-                       expert_ffn_hidden_size=cfg.get("expert_ffn_hidden_size"))
+        stem, moe = cfg.get("stem", cfg), cfg.get("hash_moe", {})
+        return Variant(variant=stem.get("variant", "stem"), ratio=str(stem.get("ratio", "1/3")),
+                       num_experts=int(moe.get("num_experts", 16)),
+                       expert_ffn_hidden_size=moe.get("expert_ffn_hidden_size"))
     name, _, ratio = text.partition("-")
     if name == "dense":
         return DENSE
@@ -86,10 +93,16 @@ def parse_variant(text: str) -> Variant:
 
 
 def to_stem_config(variant: Variant):
-    """The ``STEMConfig`` that builds ``variant`` (table on the device, as a parameter count needs)."""
+    """The ``STEMConfig`` that builds ``variant`` (its table a device parameter, as ``build_gpt`` makes one without
+    a row source: what a parameter count needs)."""
     from stem_megatron.config import STEMConfig
 
     return STEMConfig(variant=variant.variant, ratio="0" if variant.variant == "dense" else variant.ratio,
-                      layers=list(variant.layers) if variant.layers is not None else None,
-                      num_experts=variant.num_experts, expert_ffn_hidden_size=variant.expert_ffn_hidden_size,
-                      placement="device")
+                      layers=list(variant.layers) if variant.layers is not None else None)
+
+
+def to_hash_moe_config(variant: Variant):
+    """The ``HashMoEConfig`` of ``variant``'s experts."""
+    from stem_megatron.config import HashMoEConfig
+
+    return HashMoEConfig(num_experts=variant.num_experts, expert_ffn_hidden_size=variant.expert_ffn_hidden_size)

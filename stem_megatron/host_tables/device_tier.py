@@ -13,8 +13,8 @@ Design: docs/gpu_step_v2.md (issue 31). The step, between the clip and the next 
    own are stale in this node's host copy from here until a refresh pulls them. The prefetch thread has planned that
    step already, as it announced it (``plan_ahead``, over groups of its own), and its owned rows not resident were
    loaded beside the step before (``preload``; with dense Adam only those loaded before this step's 1. began).
-4. Beside the next step (``stem.overlap_update``), on the Adam thread: the leaving rows landed in the host record, and
-   dense Adam's other rows decayed, first those the prefetch thread loads ahead for the step after
+4. Beside the next step (``host_tables.overlap_update``), on the Adam thread: the leaving rows landed in the host
+   record, and dense Adam's other rows decayed, first those the prefetch thread loads ahead for the step after
    (``row_optimizer.LaterDecay``). The next step's update (and ``settle``, ``refresh``) waits for them first.
 """
 
@@ -85,7 +85,7 @@ class StepRows:
 
 
 class DeviceTier:
-    """Rows read from and updated in a working set of ``capacity`` slots a layer (``stem.resident_rows``)."""
+    """Rows read from and updated in a working set of ``capacity`` slots a layer (``host_tables.resident_rows``)."""
 
     def __init__(self, record: HostRecord, exchange: RowExchange, optimizer: RowOptimizer, updates, counters: dict,
                  h2d: HostToDevice, capacity: int, travel: torch.dtype, moving_rows: int, tokens: int, dp: int):

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from stem_megatron.host_tables.node import NodeLayout
 from stem_megatron.host_tables.ownership import RowOwnership
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # stem.wire_dtype / stem.read_dtype
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # host_tables.wire_dtype / host_tables.read_dtype
 
 
 @dataclass

@@ -4,8 +4,8 @@ A micro-batch's rows are gathered from the node's copy on the prefetch thread an
 (``transfer.fetch_rows``); the hottest come from the hot-row cache's device copies instead (``HotRowCache``, paper
 §3.1.1). After the clip, CPU Adam updates the rows this rank owns in two parts on the Adam thread: first the rows any
 rank of the DP group reads next (its announced ids and the cache's), which the training thread waits for, after which
-those rows are pulled across nodes (``HostRecord.pull``) and the cache is re-read; then the rest, beside the next
-step's forward and backward (``stem.overlap_update``). Adam is per row, so the order changes no bit: rows read in step
+those rows are pulled across nodes (``HostRecord.pull``) and the cache is re-read; then the rest, beside the next step's
+forward and backward (``host_tables.overlap_update``). Adam is per row, so the order changes no bit: rows read in step
 s+1 reflect step s exactly as in the serial order.
 """
 
@@ -167,7 +167,7 @@ class HostTier:
 
     def _read_next(self, ids: torch.Tensor) -> torch.Tensor:
         """Over token ids: True where any rank of the DP group reads the row in the next step (every row without
-        ``stem.overlap_update``: one part, the serial order). Collective over the DP group."""
+        ``host_tables.overlap_update``: one part, the serial order). Collective over the DP group."""
         if not self.updates.overlapped:
             return torch.ones(self.record.vocab_size, dtype=torch.bool)
         return self.exchange.read_anywhere(ids, self.record.vocab_size)

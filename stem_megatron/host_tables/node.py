@@ -178,12 +178,12 @@ def _cgroup_room() -> Optional[int]:
 
 
 def available_memory(host_memory_gib: Optional[float] = None) -> tuple[int, str]:
-    """(bytes the node's tables may take, where that figure comes from). ``stem.host_memory_gib`` where given: a VM
-    whose RAM grows as it is used (a cloud microVM) reports far less at start, in MemTotal and MemAvailable alike,
-    than it can give, and only its operator knows the size. Else MemAvailable, bounded by the room under this
-    process' cgroup memory limit where it has one."""
+    """(bytes the node's tables may take, where that figure comes from). ``host_tables.host_memory_gib`` where given: a
+    VM whose RAM grows as it is used (a cloud microVM) reports far less at start, in MemTotal and MemAvailable alike,
+    than it can give, and only its operator knows the size. Else MemAvailable, bounded by the room under this process'
+    cgroup memory limit where it has one."""
     if host_memory_gib is not None:
-        return int(host_memory_gib * 2**30), "stem.host_memory_gib"
+        return int(host_memory_gib * 2**30), "host_tables.host_memory_gib"
     with open(MEMINFO) as meminfo:
         available = next(int(line.split()[1]) * 1024 for line in meminfo if line.startswith("MemAvailable:"))
     room = _cgroup_room()
@@ -207,11 +207,12 @@ def _too_small(directory: str, need: int, free: int, available: int, host_memory
         f"the STEM host tables of this node need {need / gib:.2f} GiB in {directory} (a copy of each table, and "
         f"the Adam moments of the rows this node owns), but it has {free / gib:.2f} GiB free and the machine "
         f"{available / gib:.2f} GiB of available memory ({source}). Fixes: a larger shared-memory directory (a "
-        f"container's --shm-size, or stem.shm_dir=<a larger tmpfs>), stem.host_memory_gib=<GiB the node can give> "
-        f"where the machine's figure understates it (a VM whose RAM grows as it is used), bf16 table copies "
-        f"(stem.read_dtype=bf16), more nodes (each holds the moments of 1/N of the rows), a smaller stem.ratio or "
-        f"model.vocab_size, more pipeline stages (each holds only its layers' tables), or stem.placement=device when "
-        f"the tables fit on the GPU. `stem-flops --memory <overrides> --nodes N` plans a run's memory before launch")
+        f"container's --shm-size, or host_tables.shm_dir=<a larger tmpfs>), host_tables.host_memory_gib=<GiB the "
+        f"node can give> where the machine's figure understates it (a VM whose RAM grows as it is used), bf16 table "
+        f"copies (host_tables.read_dtype=bf16), more nodes (each holds the moments of 1/N of the rows), a smaller "
+        f"stem.ratio or model.vocab_size, more pipeline stages (each holds only its layers' tables), or "
+        f"host_tables.placement=device when the tables fit on the GPU. `stem-flops --memory <overrides> --nodes N` "
+        f"plans a run's memory before launch")
 
 
 def shared_tensors(

@@ -14,12 +14,11 @@ Collectives: every one of a step is issued on the training thread (or inside bac
 in one order on every rank; the prefetch thread issues only on the planning groups, the Adam thread none.
 
 ``RowGradients`` (megatron DDP's names, a layer its bucket): as backward fills a micro-batch's compact row gradient it
-is added into one fp32 buffer per layer over the step's distinct ids (in micro-batch order) and the micro-batch's
-rows are let go (``_register_grad_ready``). Once a layer's last micro-batch is in, the layer goes to its owners
-(``_start_grad_sync``: ``RowExchange.to_owners``, averaged over DP) and, for the host tier, lands in pinned host
-buffers on a side stream: from the hook itself (``stem.overlap_exchange``), else after backward (``finish_grad_sync``).
-Every rank finishes its layers in one order, so the exchange takes one place among the step's collectives on every
-rank.
+is added into one fp32 buffer per layer over the step's distinct ids (in micro-batch order) and the micro-batch's rows
+are let go (``_register_grad_ready``). Once a layer's last micro-batch is in, the layer goes to its owners
+(``_start_grad_sync``: ``RowExchange.to_owners``, averaged over DP) and, for the host tier, lands in pinned host buffers
+on a side stream: from the hook itself (``host_tables.overlap_exchange``), else after backward (``finish_grad_sync``).
+Every rank finishes its layers in one order, so the exchange takes one place among the step's collectives on every rank.
 """
 
 from __future__ import annotations

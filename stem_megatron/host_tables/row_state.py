@@ -7,7 +7,7 @@ layout, whoever holds the rows (as FBGEMM's TBE keeps weights and both momenta).
 
 ``HostRecord``: this node's tables of one pipeline stage, mapped from node-shared files (``node.shared_tensors``,
 TP-major ``[tp, rows, cols]``, so a TP rank's column block is one contiguous ``[rows, cols]`` block): ``read``, the
-copy fetches read (every row, in the ownership permutation's order, ``stem.read_dtype``), and ``state``, the row
+copy fetches read (every row, in the ownership permutation's order, ``host_tables.read_dtype``), and ``state``, the row
 state of the rows this node owns (``ownership.RowOwnership``; with fp32 copies the masters are the owned range of
 the copy itself, with bf16 copies a block of their own). The other nodes' rows in ``read`` are current where
 ``current`` says so (``store.HostTableStore.refresh`` pulls them from their owners). The whole-table verbs read and

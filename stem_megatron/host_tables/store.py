@@ -2,9 +2,9 @@
 
 ``build_store`` makes one per rank (a collective): the node's host record of this stage's tables (``row_state``), the
 row exchange across DP ranks and nodes (``exchange``), the row optimizer (``row_optimizer``), and the tier where the
-rows a step reads live, chosen here once: the host tier (``host_tier``: rows fetched from the node's copy and updated
-on the host) or, with ``stem.resident_rows``, the device tier (``device_tier``: a working set of rows with their state
-on the device). Nothing outside this module branches on the tier.
+rows a step reads live, chosen here once: the host tier (``host_tier``: rows fetched from the node's copy and updated on
+the host) or, with ``host_tables.resident_rows``, the device tier (``device_tier``: a working set of rows with their
+state on the device). Nothing outside this module branches on the tier.
 
 The rest of the code uses these verbs only: ``stream`` (the schedule's data iterator with rows: ``pipeline``),
 ``rows`` (the forward's row leaf, through ``HostRowSource``), ``settle``, ``refresh``, ``table``, ``owner_table``,
@@ -74,7 +74,7 @@ class HostTableStore:
         landing buffers on GPU before the first step (0: sized by the first steps). ``resident_rows``: the working
         set's slots a layer (the device tier; 0: the host tier)."""
         if optimizer not in ("lazy", "dense"):
-            raise ValueError(f"stem.optimizer must be 'lazy' or 'dense', got {optimizer!r}")
+            raise ValueError(f"host_tables.optimizer must be 'lazy' or 'dense', got {optimizer!r}")
         self.layers = list(layers)  # global 1-based layer numbers of this stage's STEM layers
         self.vocab_size, self.d_ff = vocab_size, d_ff
         self.device = device or torch.device("cpu")
@@ -277,16 +277,16 @@ def build_store(cfg: RunConfig, tconfig: TransformerConfig, device: torch.device
     first = get_transformer_layer_offset(tconfig) + 1
     local = range(first, first + get_num_layers_to_build(tconfig))
     layers = [i + 1 for i in planned_layers(cfg.model.num_layers, cfg.stem) if i + 1 in local]
-    t, m = cfg.train, cfg.model
+    t, m, h = cfg.train, cfg.model, cfg.host_tables
     return HostTableStore(
         layers, m.vocab_size, m.ffn_hidden_size,
         table_init_std(tconfig, m.vocab_size, cfg.stem.table_init, cfg.stem.table_init_std), t.seed,
-        optimizer=cfg.stem.optimizer, betas=(t.adam_beta1, t.adam_beta2), eps=1e-8,
-        weight_decay=t.weight_decay, cache_rows=cfg.stem.cache_rows, device=device, shm_dir=cfg.stem.shm_dir,
-        host_memory_gib=cfg.stem.host_memory_gib,
-        wire_dtype=cfg.stem.wire_dtype, read_dtype=cfg.stem.read_dtype, overlap=cfg.stem.overlap_exchange,
-        overlap_update=cfg.stem.overlap_update, compute_dtype=tconfig.params_dtype,
+        optimizer=h.optimizer, betas=(t.adam_beta1, t.adam_beta2), eps=1e-8,
+        weight_decay=t.weight_decay, cache_rows=h.cache_rows, device=device, shm_dir=h.shm_dir,
+        host_memory_gib=h.host_memory_gib,
+        wire_dtype=h.wire_dtype, read_dtype=h.read_dtype, overlap=h.overlap_exchange,
+        overlap_update=h.overlap_update, compute_dtype=tconfig.params_dtype,
         micro_batch_tokens=t.micro_batch_size * m.seq_length,
         micro_batches=t.global_batch_size // (t.micro_batch_size * parallel_state.get_data_parallel_world_size()),
-        resident_rows=cfg.stem.resident_rows,
+        resident_rows=h.resident_rows,
     )

@@ -2,7 +2,7 @@
 
 Design: docs/gpu_step_v2.md. Without it, the host updates the rows the next step reads between the clip and the
 next forward (CPU Adam, the refresh, micro-batch 0's fetch: 0.25-0.45 s a step at 1B on one H100 by the note's
-estimate). With a working set (``stem.resident_rows``) every STEM layer keeps slots of fixed device tensors
+estimate). With a working set (``host_tables.resident_rows``) every STEM layer keeps slots of fixed device tensors
 ``[C, cols]``: the fp32 master row, ``exp_avg`` and ``exp_avg_sq``. Then:
 
 - the forward gathers a micro-batch's rows by slot on the device, from the masters cast to the dtype rows travel
@@ -107,8 +107,9 @@ class WorkingSet:
         """Slots to ``capacity``, keeping the resident rows where they are; ``step_ids``: the distinct ids of the step
         that needs them (said in one line), 0 when the set is made."""
         if step_ids and dist.is_initialized() and dist.get_rank() == 0:
-            print(f"stem.resident_rows: a step needs {step_ids} rows here; the working set grows from "
-                  f"{self.capacity} to {capacity} rows a layer (set stem.resident_rows to at least that)", flush=True)
+            print(f"host_tables.resident_rows: a step needs {step_ids} rows here; the working set grows from "
+                  f"{self.capacity} to {capacity} rows a layer (set host_tables.resident_rows to at least that)",
+                  flush=True)
         more = capacity - self.capacity
         self.ids = torch.cat([self.ids, torch.full((more,), -1, dtype=torch.int64)])
         for kind in KINDS:

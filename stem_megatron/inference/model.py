@@ -217,6 +217,8 @@ def build_host_rows_model(cfg: RunConfig, tables: ReadOnlyHostTables) -> GPTMode
     """
     cfg = single_process_config(cfg)
     ensure_single_process_state(cfg.train.seed)
-    config = transformer_config(cfg.model, cfg.parallel, on_gpu=False, use_cpu_initialization=True, stem=cfg.stem)
+    config = transformer_config(cfg.model, cfg.parallel, on_gpu=False, use_cpu_initialization=True, stem=cfg.stem,
+                                hash_moe=cfg.hash_moe)
     rows = ModuleSpec(module=HostRowSource, params={"store": tables})
-    return build_gpt(cfg.model, cfg.stem, config, row_source=rows, use_te=False, pre_process=True, post_process=True)
+    return build_gpt(cfg.model, cfg.stem, config, row_source=rows, use_te=False, pre_process=True, post_process=True,
+                     hash_moe=cfg.hash_moe)

@@ -10,7 +10,7 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from stem_megatron.config import ModelConfig, ParallelConfig, STEMConfig
+from stem_megatron.config import HashMoEConfig, ModelConfig, ParallelConfig, STEMConfig
 from stem_megatron.layer_plan import planned_layers
 from stem_megatron.model.hash_moe import expert_map, hash_moe_spec
 from stem_megatron.model.specs import decoder_block_spec, device_rows, stem_mlp_spec
@@ -23,21 +23,23 @@ def transformer_config(
     on_gpu: bool,
     use_cpu_initialization: bool | None = None,
     stem: STEMConfig | None = None,
+    hash_moe: HashMoEConfig | None = None,
 ) -> TransformerConfig:
     """Llama-style block (RMSNorm, SwiGLU, RoPE, no biases); bf16 on GPU, fp32 on CPU.
 
     Fusions that need CUDA kernels are off on CPU. ``use_cpu_initialization`` makes the initial
     weights independent of the TP layout (the full matrix is drawn, then sliced). For the Hash-MoE
-    variant the MoE fields are set: top-1, no aux loss, all-to-all dispatcher, MoE only on the
-    planned layers (``moe_layer_freq`` pattern), experts not tensor-parallel.
+    variant the MoE fields are set from ``hash_moe`` (None: its defaults): top-1, no aux loss, all-to-all
+    dispatcher, MoE only on the planned layers (``moe_layer_freq`` pattern), experts not tensor-parallel.
     """
     dtype = torch.bfloat16 if on_gpu else torch.float32
     moe = {}
     if stem is not None and stem.variant == "hash_moe":
+        hash_moe = hash_moe or HashMoEConfig()
         planned = set(planned_layers(model.num_layers, stem))
         moe = dict(
-            num_moe_experts=stem.num_experts,
-            moe_ffn_hidden_size=stem.expert_ffn_hidden_size or model.ffn_hidden_size,
+            num_moe_experts=hash_moe.num_experts,
+            moe_ffn_hidden_size=hash_moe.expert_ffn_hidden_size or model.ffn_hidden_size,
             moe_layer_freq=[int(i in planned) for i in range(model.num_layers)],
             moe_router_topk=1,
             moe_router_pre_softmax=True,  # required by megatron for top-1; unused by the hash router
@@ -93,16 +95,19 @@ def build_gpt(
     pp_rank: int | None = None,
     attn_mask_type: AttnMaskType = AttnMaskType.causal,
     seed: int = 0,
+    hash_moe: HashMoEConfig | None = None,
 ) -> GPTModel:
     """This rank's GPTModel stage with STEM MLPs on the planned layers; embeddings untied (paper §4.1).
 
     ``row_source`` is the spec of the module serving ``U_l`` rows (default: a device parameter drawn from
     ``seed``, the run's ``train.seed``, as the host tables are); ``attn_mask_type=arbitrary`` when batches
-    carry per-document attention masks.
+    carry per-document attention masks; ``hash_moe``: the experts of ``stem.variant=hash_moe`` (None: its
+    defaults), as ``transformer_config`` was given.
     """
     if stem.variant == "hash_moe":
-        expert_of_token = expert_map(model.vocab_size, stem.num_experts, stem.hash_map, stem.hash_seed)
-        mlp = hash_moe_spec(expert_of_token, stem.num_experts, use_te, grouped_gemm=config.moe_grouped_gemm)
+        hash_moe = hash_moe or HashMoEConfig()
+        expert_of_token = expert_map(model.vocab_size, hash_moe.num_experts, hash_moe.hash_map, hash_moe.hash_seed)
+        mlp = hash_moe_spec(expert_of_token, hash_moe.num_experts, use_te, grouped_gemm=config.moe_grouped_gemm)
     else:
         rows = row_source or device_rows(stem.table_init, stem.table_init_std, seed)
         mlp = stem_mlp_spec(stem.variant, model.vocab_size, rows, use_te)

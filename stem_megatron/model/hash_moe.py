@@ -54,7 +54,7 @@ def expert_map(vocab_size: int, num_experts: int, hash_map: str, seed: int) -> t
         if counts.shape != (vocab_size,):
             raise ValueError(f"token counts {hash_map} have shape {counts.shape}, expected ({vocab_size},)")
         return frequency_balanced_map(counts, num_experts)
-    raise ValueError(f"stem.hash_map {hash_map!r} is not 'random' or 'frequency:<counts.npy>'")
+    raise ValueError(f"hash_moe.hash_map {hash_map!r} is not 'random' or 'frequency:<counts.npy>'")
 
 
 class HashRouter(MegatronModule):

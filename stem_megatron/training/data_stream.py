@@ -54,4 +54,4 @@ def batch_stream(dataset, cfg: RunConfig, dp: int, store, num_micro_batches: int
                          pin_memory=torch.cuda.is_available())
     if steps is not None:
         data = itertools.islice(data, steps * num_micro_batches)
-    return with_rows(data, store, num_micro_batches, cfg.stem.prefetch_depth, training)
+    return with_rows(data, store, num_micro_batches, cfg.host_tables.prefetch_depth, training)

@@ -67,17 +67,18 @@ def out_of_memory_message(cfg: RunConfig, error: torch.OutOfMemoryError) -> str:
         expected = f"the memory plan expects {planned / GIB:.2f} GiB per {unit} for this run"
     except Exception as e:  # noqa: BLE001 - the plan is advice; the knobs below still apply
         expected = f"the memory plan could not be computed ({e})"
-    p, s = cfg.parallel, cfg.stem
+    p, s, h = cfg.parallel, cfg.stem, cfg.host_tables
     knobs = [f"a smaller train.micro_batch_size (now {cfg.train.micro_batch_size}; the global batch stays, in "
              f"more micro-batches)",
              f"tensor or pipeline parallelism (parallel.tensor_model_parallel_size, now "
              f"{p.tensor_model_parallel_size}; parallel.pipeline_model_parallel_size, now "
              f"{p.pipeline_model_parallel_size})"]
-    if s.variant not in ("dense", "hash_moe") and s.placement == "device":
-        knobs.append("the STEM tables in host memory (stem.placement=host)")
-    elif s.variant not in ("dense", "hash_moe") and s.cache_rows:
-        knobs.append(f"fewer hot rows on the device (stem.cache_rows, now {s.cache_rows})")
-    elif s.variant not in ("dense", "hash_moe") and s.resident_rows:
-        knobs.append(f"a smaller working set (stem.resident_rows, now {s.resident_rows}; at least a step's distinct ids)")
+    if s.variant not in ("dense", "hash_moe") and h.placement == "device":
+        knobs.append("the STEM tables in host memory (host_tables.placement=host)")
+    elif s.variant not in ("dense", "hash_moe") and h.cache_rows:
+        knobs.append(f"fewer hot rows on the device (host_tables.cache_rows, now {h.cache_rows})")
+    elif s.variant not in ("dense", "hash_moe") and h.resident_rows:
+        knobs.append(f"a smaller working set (host_tables.resident_rows, now {h.resident_rows}; at least a step's "
+                     f"distinct ids)")
     return (f"out of {'device ' if gpu else ''}memory on {where}: {expected} (`stem-flops --memory` with the same "
             f"overrides, docs/memory.md); lower it with " + ", ".join(knobs[:-1]) + " or " + knobs[-1])

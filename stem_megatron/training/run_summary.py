@@ -53,9 +53,9 @@ def say_start(cfg: RunConfig) -> None:
 
 def start_block(cfg: RunConfig, world: int, ranks_per_node: int, gpu: bool) -> list[str]:
     """The lines said before step 1."""
-    m, s, par, t = cfg.model, cfg.stem, cfg.parallel, cfg.train
-    counts = analytic_parameters(arch_from_model_config(dataclasses.asdict(m)), variant_from_stem_config(s),
-                                 tied=False, qkv_bias=False)
+    m, s, h, par, t = cfg.model, cfg.stem, cfg.host_tables, cfg.parallel, cfg.train
+    counts = analytic_parameters(arch_from_model_config(dataclasses.asdict(m)),
+                                 variant_from_stem_config(s, cfg.hash_moe), tied=False, qkv_bias=False)
     replaced = [i + 1 for i in planned_layers(m.num_layers, s)]
     tp, pp, ep = par.tensor_model_parallel_size, par.pipeline_model_parallel_size, par.expert_model_parallel_size
     dp, nodes = world // (tp * pp), max(1, world // ranks_per_node)
@@ -66,9 +66,9 @@ def start_block(cfg: RunConfig, world: int, ranks_per_node: int, gpu: bool) -> l
                 if counts["inactive_experts"] else "")]
     if replaced:
         if s.variant == "hash_moe":
-            what = f"{s.num_experts} hashed experts"
-        elif s.placement == "host":
-            what = f"tables in host memory ({s.shm_dir}), {s.optimizer} AdamW on the CPU"
+            what = f"{cfg.hash_moe.num_experts} hashed experts"
+        elif h.placement == "host":
+            what = f"tables in host memory ({h.shm_dir}), {h.optimizer} AdamW on the CPU"
         else:
             what = "tables on the device, with the model's optimizer"
         lines.append(f"{s.variant} in layer(s) {', '.join(map(str, replaced))} of {m.num_layers}: {what}")
@@ -93,10 +93,10 @@ def _memory_line(cfg: RunConfig, layout: Layout, gpu: bool) -> str:
         result = plan(cfg, layout)
     except ValueError as e:  # a layout the plan does not model (e.g. stages spread unevenly over nodes)
         return f"memory plan: not computed ({e})"
-    here = os.path.isdir(cfg.stem.shm_dir)
-    free, available = free_space(cfg.stem.shm_dir, cfg.stem.host_memory_gib) if here else (0, 0)
+    here = os.path.isdir(cfg.host_tables.shm_dir)
+    free, available = free_space(cfg.host_tables.shm_dir, cfg.host_tables.host_memory_gib) if here else (0, 0)
     most, shared, fits = neediest_node(result, free, available)
-    line = f"memory plan: {_size(most['total'])} a node, {_size(shared)} of it shared in {cfg.stem.shm_dir}"
+    line = f"memory plan: {_size(most['total'])} a node, {_size(shared)} of it shared in {cfg.host_tables.shm_dir}"
     if here:
         line += (f"; this node: MemAvailable {_size(available)}, {_size(free)} free there: "
                  f"{'fits' if fits else 'does NOT fit'}")

@@ -1,5 +1,5 @@
 """A rank's trainable state: its model stage in megatron DDP, the optimizer, the LR schedule and, with
-``stem.placement=host``, the host table store its STEM layers read from."""
+``host_tables.placement=host``, the host table store its STEM layers read from."""
 
 from __future__ import annotations
 
@@ -35,12 +35,12 @@ class Trainer:
 
 def setup_model(cfg: RunConfig) -> Trainer:
     """Model stage for this rank wrapped in megatron DDP, its optimizer and LR schedule, and (with
-    ``stem.placement=host``) the host table store its STEM layers read from, its rows a member of the optimizer's
+    ``host_tables.placement=host``) the host table store its STEM layers read from, its rows a member of the optimizer's
     chain (``TableOptimizer``)."""
     gpu = parallel.on_gpu()
-    tconfig = transformer_config(cfg.model, cfg.parallel, on_gpu=gpu, stem=cfg.stem)
+    tconfig = transformer_config(cfg.model, cfg.parallel, on_gpu=gpu, stem=cfg.stem, hash_moe=cfg.hash_moe)
     store, row_source = None, None
-    if cfg.stem.placement == "host" and cfg.stem.variant in STEM_VARIANTS:
+    if cfg.host_tables.placement == "host" and cfg.stem.variant in STEM_VARIANTS:
         device = torch.device("cuda", torch.cuda.current_device()) if gpu else torch.device("cpu")
         store = build_store(cfg, tconfig, device)
         row_source = ModuleSpec(module=HostRowSource, params={"store": store})
@@ -48,12 +48,14 @@ def setup_model(cfg: RunConfig) -> Trainer:
     # under "causal"); on CPU both apply it
     mask = AttnMaskType.arbitrary if cfg.data.reset_attention_mask else AttnMaskType.causal
     model = build_gpt(cfg.model, cfg.stem, tconfig, row_source=row_source,
-                      use_te=gpu and parallel.have_transformer_engine(), attn_mask_type=mask, seed=cfg.train.seed)
+                      use_te=gpu and parallel.have_transformer_engine(), attn_mask_type=mask, seed=cfg.train.seed,
+                      hash_moe=cfg.hash_moe)
     if gpu:
         model.cuda()  # megatron's torch RMSNorm (no TE) is created without a device
     model = wrap_ddp(model, tconfig, cfg.parallel)
     dense = build_optimizer(model, cfg.train, cfg.parallel, bf16=gpu)
-    optimizer = dense if store is None else ChainedOptimizer([dense, TableOptimizer(store, dense, cfg.stem.clip)])
+    optimizer = (dense if store is None
+                 else ChainedOptimizer([dense, TableOptimizer(store, dense, cfg.host_tables.clip)]))
     scheduler = build_scheduler(optimizer, cfg.train)
     tconfig.finalize_model_grads_func = finalize_model_grads
     tconfig.grad_scale_func = dense.scale_loss

@@ -9,8 +9,8 @@ next step released (``step``).
 Three things the chain does not do for host rows, done here:
 - The clip. The rows are not parameters (they live in host memory or the working set's slots), so ``get_parameters``
   is empty and the chain clips the dense parameters only. This member clips the rows itself with megatron's
-  coefficient, ``clip_grad / (norm + 1e-6)``, by the joint norm (``stem.clip=global``, computed as the chain does)
-  or the rows' own (``separate``, the released code's). For ``separate`` it reports a norm of 0 to the chain, so
+  coefficient, ``clip_grad / (norm + 1e-6)``, by the joint norm (``host_tables.clip=global``, computed as the chain
+  does) or the rows' own (``separate``, the released code's). For ``separate`` it reports a norm of 0 to the chain, so
   the chain's norm, which clips the dense gradients, is the dense norm alone.
 - The step record's norms. The chain returns one norm; the dense one is asked of the dense optimizer a second time
   (one pass over its gradients and one scalar all-reduce, as megatron measures its separate norm groups).
@@ -36,11 +36,11 @@ from stem_megatron.host_tables.store import HostTableStore
 
 class TableOptimizer(MegatronOptimizer):
     """The host tables' rows, updated by the store's row optimizer as a member of megatron's chain after ``dense``
-    (megatron's optimizer of the dense parameters, whose config it shares). ``clip``: ``stem.clip``."""
+    (megatron's optimizer of the dense parameters, whose config it shares). ``clip``: ``host_tables.clip``."""
 
     def __init__(self, store: HostTableStore, dense: MegatronOptimizer, clip: str = "global"):
         if clip not in ("global", "separate"):
-            raise ValueError(f"stem.clip must be 'global' or 'separate', got {clip!r}")
+            raise ValueError(f"host_tables.clip must be 'global' or 'separate', got {clip!r}")
         # no torch optimizer to wrap (MegatronOptimizer.__init__ would warn that this rank has none): its attributes
         self.optimizer, self.config, self.is_stub_optimizer = None, dense.config, False
         self.store, self.dense, self.separate = store, dense, clip == "separate"
@@ -88,8 +88,8 @@ class TableOptimizer(MegatronOptimizer):
 
     @torch.no_grad()
     def step_with_ready_grads(self) -> bool:
-        """The rows clipped (megatron's coefficient, by the norm ``stem.clip`` names), updated at this group's lr, and
-        the next step's rows made readable and released."""
+        """The rows clipped (megatron's coefficient, by the norm ``host_tables.clip`` names), updated at this group's
+        lr, and the next step's rows made readable and released."""
         pipeline, clip = self._pipeline(), self.config.clip_grad
         if clip > 0.0:
             norm = self.step_record["stem_grad_norm" if self.separate else "grad_norm"]

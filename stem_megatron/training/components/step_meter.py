@@ -18,7 +18,7 @@ class StepMeter:
         """The ETA's clock starts now: the first step's time includes what comes before it."""
         self.clock = StepClock(last_step)
         self.tokens_per_step = cfg.train.global_batch_size * cfg.model.seq_length
-        self.flops_per_token = model_flops_per_token(cfg.model, cfg.stem)
+        self.flops_per_token = model_flops_per_token(cfg.model, cfg.stem, cfg.hash_moe)
         self.peak_tflops = cfg.logging.peak_tflops or device_peak_tflops()
         self.devices = dist.get_world_size()
         self.store, self.model = trainer.store, trainer.model
