@@ -245,8 +245,9 @@ def test_tables_are_allocated_once_per_node():
     assert table_bytes == 2 * 3 * 8192 * 512 * 4  # 2 layers x (U_l + 2 moments), fp32
     shm = results[0]["shm"]
     assert 0.95 * table_bytes <= shm <= 1.05 * table_bytes, f"/dev/shm grew by {shm} for {table_bytes} of tables"
-    for r in results:  # each rank sees every page of the tables ...
-        assert r["Rss"] == table_bytes and r["total"] == results[0]["total"]
+    for r in results:  # each rank sees every page of the tables (but the few a host's reclaim may page out between
+        # the read and the count: DAMON's "pageout" scheme runs on this VM, /sys/kernel/mm/damon) ...
+        assert 0.99 * table_bytes <= r["Rss"] <= table_bytes and r["total"] == results[0]["total"], r["Rss"]
     pss = sum(r["Pss"] for r in results)  # ... but the pages are shared: proportional sizes add up to one copy
     assert pss == pytest.approx(table_bytes, rel=0.01), f"two ranks hold {pss} B for {table_bytes} B of tables"
 
