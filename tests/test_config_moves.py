@@ -5,7 +5,6 @@ manifest names a run by the same flat ``stem``, a saved ``config.json`` of the o
 import dataclasses
 import importlib.util
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -24,26 +23,33 @@ OLD_STEM = {"variant": "hash_moe", "ratio": "1/2", "layers": None, "table_init":
             "expert_ffn_hidden_size": 32, "hash_map": "frequency:hash_counts.npy", "hash_seed": 7}
 
 
-def _train(*args, cwd=None):
-    return subprocess.run([sys.executable, "-m", "stem_megatron.train", *args], capture_output=True, text=True,
-                          timeout=300, cwd=cwd)
+def _train(monkeypatch, capfd, *args):
+    """``stem-train *args`` in this process, up to its refusal of an old key (before Hydra or any process group):
+    its exit code and what it wrote to stderr."""
+    from stem_megatron import train
+
+    monkeypatch.setattr(sys, "argv", ["stem-train", *args])
+    with pytest.raises(SystemExit) as exited:
+        train.main()
+    return exited.value.code, capfd.readouterr().err
 
 
-def test_an_old_key_is_refused_in_one_line_on_the_command_line_and_in_a_recipe(tmp_path):
+def test_an_old_key_is_refused_in_one_line_on_the_command_line_and_in_a_recipe(tmp_path, monkeypatch, capfd):
     """Before Hydra composes the run (whose own error would name only the key missing from ``stem``): an override,
     and a recipe with a ``stem:`` block holding ``optimizer:``, swept or not."""
-    proc = _train("stem.placement=device")
-    assert proc.returncode == 1
-    assert proc.stderr == ("error: stem.placement moved to host_tables.placement (issue 54): write "
-                           "host_tables.placement=device\n"), proc.stderr
+    code, err = _train(monkeypatch, capfd, "stem.placement=device")
+    assert code == 1
+    assert err == ("error: stem.placement moved to host_tables.placement (issue 54): write "
+                   "host_tables.placement=device\n"), err
     (tmp_path / "experiment").mkdir()
     (tmp_path / "experiment" / "old.yaml").write_text("# @package _global_\nstem:\n  table_init: xavier\n"
                                                       "  optimizer: dense\n")
-    proc = _train("-m", f"hydra.searchpath=[file://{tmp_path}]", "+experiment=old", "stem.ratio=1/3,full",
-                  cwd=tmp_path)
-    assert proc.returncode == 1
-    assert proc.stderr == ("error: stem.optimizer moved to host_tables.optimizer (issue 54): recipe experiment/old "
-                           "sets it under stem:, set it under host_tables: instead\n"), proc.stderr
+    monkeypatch.chdir(tmp_path)
+    code, err = _train(monkeypatch, capfd, "-m", f"hydra.searchpath=[file://{tmp_path}]", "+experiment=old",
+                       "stem.ratio=1/3,full")
+    assert code == 1
+    assert err == ("error: stem.optimizer moved to host_tables.optimizer (issue 54): recipe experiment/old "
+                   "sets it under stem:, set it under host_tables: instead\n"), err
     assert not (tmp_path / "runs").exists()  # no job started
 
 
