@@ -150,7 +150,8 @@ def load(path: Path, manifest: dict, cfg: RunConfig, trainer, detector) -> int:
 def init_weights(path: Path, cfg: RunConfig, trainer) -> None:
     """Start a new run from a checkpoint's weights and tables; optimizer, schedule and step start fresh."""
     manifest = atomic.verify(path)
-    mine, saved = dict(_identity(cfg)["model"]), dict(manifest["model"])
+    mine = dict(_identity(cfg)["model"])
+    saved = {**_identity(RunConfig())["model"], **manifest["model"]}  # fields added since: their defaults
     mine.pop("seq_length"), saved.pop("seq_length")
     if mine != saved:
         raise CheckpointError(f"{path} holds a different model config; checkpoint.init_from needs the same "

@@ -39,10 +39,11 @@ def table_init_std(config: TransformerConfig, vocab_size: int, table_init: str =
     """The std of ``U_l ~ N(0, std)``: ``std`` if given, else by ``stem.table_init`` (docs/recipes.md):
     ``scaled``: init_method_std * sqrt(d), the scale of the ``W_u x`` entries ``U_l[t]`` replaces;
     ``xavier``: sqrt(2 / (V + d_ff)), ``xavier_normal_`` of the V x d_ff table, as the released code does
-    (``ParallelEmbedding`` in lingua/stem_dist_utils.py)."""
+    (``ParallelEmbedding`` in lingua/stem_dist_utils.py); ``from_dense`` draws as ``scaled``, and an import from a
+    dense model then overwrites the tables (``checkpoint.hf.load``)."""
     if std is not None:
         return std
-    if table_init == "scaled":
+    if table_init in ("scaled", "from_dense"):  # from_dense: the draw the calibration overwrites (checkpoint/hf)
         return config.init_method_std * math.sqrt(config.hidden_size)
     if table_init == "xavier":
         return math.sqrt(2 / (vocab_size + config.ffn_hidden_size))

@@ -25,7 +25,7 @@ def transformer_config(
     stem: STEMConfig | None = None,
     hash_moe: HashMoEConfig | None = None,
 ) -> TransformerConfig:
-    """Llama-style block (RMSNorm, SwiGLU, RoPE, no biases); bf16 on GPU, fp32 on CPU.
+    """Llama-style block (RMSNorm, SwiGLU, RoPE, no biases but Qwen2's q/k/v ones); bf16 on GPU, fp32 on CPU.
 
     Fusions that need CUDA kernels are off on CPU. ``use_cpu_initialization`` makes the initial
     weights independent of the TP layout (the full matrix is drawn, then sliced). For the Hash-MoE
@@ -62,6 +62,7 @@ def transformer_config(
         gated_linear_unit=True,
         activation_func=F.silu,
         add_bias_linear=False,
+        add_qkv_bias=model.qkv_bias,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         init_method_std=model.init_method_std,
@@ -126,6 +127,8 @@ def build_gpt(
         share_embeddings_and_output_weights=False,
         position_embedding_type="rope",
         rotary_base=model.rotary_base,
+        rope_scaling=model.rope_scaling_factor is not None,
+        rope_scaling_factor=model.rope_scaling_factor or 8.0,  # megatron's default where unused
     )
     return in_params_dtype(gpt, config.params_dtype)
 

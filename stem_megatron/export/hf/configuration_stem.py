@@ -1,6 +1,7 @@
 """The configuration of a stem-megatron model in Hugging Face ``transformers`` (shipped in every HF export).
 
-A Llama-style decoder (RMSNorm, rotary positions, SwiGLU, no biases, untied embeddings) whose layers in
+A Llama-style decoder (RMSNorm, rotary positions, SwiGLU, no biases but q/k/v ones with ``attention_bias`` (an
+imported Qwen2), untied embeddings; ``rope_scaling_factor``: Llama 3's RoPE scaling) whose layers in
 ``stem_layers`` have a STEM FFN (paper eq. 4, 5; Table 3) instead of the SwiGLU one:
 
     stem        y = W_d (SiLU(W_g x) * U_l[t])
@@ -22,7 +23,7 @@ class StemConfig(PretrainedConfig):
 
     def __init__(self, vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=24,
                  num_attention_heads=16, num_key_value_heads=None, rms_norm_eps=1e-5, rope_theta=10000.0,
-                 max_position_embeddings=2048, stem_variant="stem", stem_layers=(), stem_tables_on_host=False,
+                 max_position_embeddings=2048, attention_bias=False, rope_scaling_factor=None, stem_variant="stem", stem_layers=(), stem_tables_on_host=False,
                  initializer_range=0.02, use_cache=True, bos_token_id=0, eos_token_id=0, pad_token_id=0,
                  tie_word_embeddings=False, **kwargs):
         if stem_variant not in STEM_VARIANTS:
@@ -37,6 +38,8 @@ class StemConfig(PretrainedConfig):
         self.rms_norm_eps = rms_norm_eps
         self.rope_theta = rope_theta
         self.max_position_embeddings = max_position_embeddings
+        self.attention_bias = attention_bias
+        self.rope_scaling_factor = rope_scaling_factor
         self.stem_variant = stem_variant
         self.stem_layers = list(stem_layers)
         self.stem_tables_on_host = stem_tables_on_host

@@ -45,11 +45,23 @@ class StemRotary(nn.Module):
 
     def __init__(self, config: StemConfig):
         super().__init__()
-        self.dim, self.theta = config.head_dim, config.rope_theta
+        self.dim, self.theta, self.factor = config.head_dim, config.rope_theta, config.rope_scaling_factor
+
+    def _llama3(self, inv_freq: torch.Tensor) -> torch.Tensor:
+        """Llama 3's scaling (low/high frequency factors 1 and 4 over 8192 original positions), as megatron's."""
+        wavelen = 2 * torch.pi / inv_freq
+        scaled = torch.where(wavelen > 8192, inv_freq / self.factor, inv_freq)
+        smooth = (8192 / wavelen - 1) / (4 - 1)
+        smoothed = (1 - smooth) * scaled / self.factor + smooth * scaled
+        medium = ~(wavelen < 8192 / 4) * ~(wavelen > 8192)
+        return torch.where(medium, smoothed, scaled)
 
     def forward(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         exponents = torch.arange(0, self.dim, 2, dtype=torch.float32, device=position_ids.device) / self.dim
-        freqs = position_ids.float()[..., None] * (1.0 / (self.theta ** exponents))  # [b, s, dim/2]
+        inv_freq = 1.0 / (self.theta ** exponents)
+        if self.factor is not None:
+            inv_freq = self._llama3(inv_freq)
+        freqs = position_ids.float()[..., None] * inv_freq  # [b, s, dim/2]
         emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # [b, 1, s, dim]
         return emb.cos(), emb.sin()
 
@@ -61,9 +73,10 @@ class StemAttention(nn.Module):
         self.heads, self.kv_heads, self.head_dim = (config.num_attention_heads, config.num_key_value_heads,
                                                     config.head_dim)
         d = config.hidden_size
-        self.q_proj = nn.Linear(d, self.heads * self.head_dim, bias=False)
-        self.k_proj = nn.Linear(d, self.kv_heads * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(d, self.kv_heads * self.head_dim, bias=False)
+        bias = config.attention_bias
+        self.q_proj = nn.Linear(d, self.heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(d, self.kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(d, self.kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.heads * self.head_dim, d, bias=False)
 
     def forward(self, x, rotary, mask, cache: Optional[Cache]):

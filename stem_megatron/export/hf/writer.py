@@ -12,21 +12,22 @@ trust_remote_code=True)`` loads (docs/checkpoints.md, "Hugging Face export").
                                the tokenizer's in a padded vocabulary suppressed in generation, as stem-generate
                                never generates them
 
-megatron's fused projections are split on the way: ``linear_qkv`` (per query group: its query heads, then one key
-and one value head) into ``q_proj``, ``k_proj``, ``v_proj``; ``linear_fc1`` ([gate; up]) into ``gate_proj`` and
-``up_proj``. A STEM layer keeps the paper's names: ``mlp.W_g``, ``mlp.W_u``, ``mlp.U_l``, ``mlp.W_d``.
+megatron's fused projections are split on the way (``checkpoint.hf.tensors``, which the import reads with):
+``linear_qkv`` (per query group: its query heads, then one key and one value head; its biases alike) into ``q_proj``,
+``k_proj``, ``v_proj``; ``linear_fc1`` ([gate; up]) into ``gate_proj`` and ``up_proj``. A STEM layer keeps the
+paper's names: ``mlp.W_g``, ``mlp.W_u``, ``mlp.U_l``, ``mlp.W_d``.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 from pathlib import Path
 
 import torch
 
+from stem_megatron.checkpoint.hf.tensors import LAYER, PLAIN, TOP, split_fc1, split_qkv
 from stem_megatron.config import RunConfig
 from stem_megatron.data.tokenizer import EOD_TOKEN, HFTokenizer
 from stem_megatron.durable import fsync_dir
@@ -34,7 +35,6 @@ from stem_megatron.export.format import ExportError, read_export
 
 MODEL_FILES = ("configuration_stem.py", "modeling_stem.py")
 HERE = Path(__file__).resolve().parent
-_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _STEM = ("mlp.W_g.weight", "mlp.W_u.weight", "mlp.W_d.weight", "mlp.U_l.weight")
 
 
@@ -43,36 +43,25 @@ def hf_weights(cfg: RunConfig, weights: dict[str, torch.Tensor]) -> dict[str, to
     m = cfg.model
     heads = m.num_attention_heads
     groups = m.num_query_groups or heads
-    head_dim = m.hidden_size // heads
-    top = {"embedding.word_embeddings.weight": "model.embed_tokens.weight",
-           "decoder.final_layernorm.weight": "model.norm.weight", "output_layer.weight": "lm_head.weight"}
     out = {}
     for name, tensor in weights.items():
-        if name in top:
-            out[top[name]] = tensor
+        if name in TOP:
+            out[TOP[name]] = tensor
             continue
-        match = _LAYER.match(name)
+        match = LAYER.match(name)
         if match is None:
             raise ExportError(f"{name}: the Hugging Face format has no place for this weight")
         prefix, rest = f"model.layers.{match[1]}.", match[2]
-        if rest == "input_layernorm.weight":
+        if rest in _STEM:
             out[prefix + rest] = tensor
-        elif rest == "pre_mlp_layernorm.weight":
-            out[prefix + "post_attention_layernorm.weight"] = tensor
-        elif rest == "self_attention.linear_qkv.weight":
-            per_group = tensor.view(groups, (heads // groups + 2) * head_dim, m.hidden_size)
-            q, k, v = per_group.split([heads // groups * head_dim, head_dim, head_dim], dim=1)
-            for proj, part in (("q_proj", q), ("k_proj", k), ("v_proj", v)):
-                out[f"{prefix}self_attn.{proj}.weight"] = part.reshape(-1, m.hidden_size)
-        elif rest == "self_attention.linear_proj.weight":
-            out[prefix + "self_attn.o_proj.weight"] = tensor
+        elif rest in PLAIN:
+            out[prefix + PLAIN[rest]] = tensor
+        elif rest in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"):
+            kind = rest.rsplit(".", 1)[1]
+            for proj, part in zip("qkv", split_qkv(tensor, heads, groups)):
+                out[f"{prefix}self_attn.{proj}_proj.{kind}"] = part
         elif rest == "mlp.linear_fc1.weight":
-            gate, up = tensor.chunk(2, dim=0)
-            out[prefix + "mlp.gate_proj.weight"], out[prefix + "mlp.up_proj.weight"] = gate, up
-        elif rest == "mlp.linear_fc2.weight":
-            out[prefix + "mlp.down_proj.weight"] = tensor
-        elif rest in _STEM:
-            out[prefix + rest] = tensor
+            out[prefix + "mlp.gate_proj.weight"], out[prefix + "mlp.up_proj.weight"] = split_fc1(tensor)
         else:
             raise ExportError(f"{name}: the Hugging Face format has no place for this weight")
     return {name: tensor.contiguous() for name, tensor in out.items()}
@@ -80,7 +69,7 @@ def hf_weights(cfg: RunConfig, weights: dict[str, torch.Tensor]) -> dict[str, to
 
 def hf_config(cfg: RunConfig, weights: dict[str, torch.Tensor], eod: int) -> dict:
     m = cfg.model
-    stem_layers = sorted(int(_LAYER.match(n)[1]) for n in weights if n.endswith(".mlp.U_l.weight"))
+    stem_layers = sorted(int(LAYER.match(n)[1]) for n in weights if n.endswith(".mlp.U_l.weight"))
     dtype = str(next(iter(weights.values())).dtype).removeprefix("torch.")
     return {"architectures": ["StemForCausalLM"], "model_type": "stem_megatron",
             "auto_map": {"AutoConfig": "configuration_stem.StemConfig",
@@ -88,7 +77,8 @@ def hf_config(cfg: RunConfig, weights: dict[str, torch.Tensor], eod: int) -> dic
             "vocab_size": m.vocab_size, "hidden_size": m.hidden_size, "intermediate_size": m.ffn_hidden_size,
             "num_hidden_layers": m.num_layers, "num_attention_heads": m.num_attention_heads,
             "num_key_value_heads": m.num_query_groups or m.num_attention_heads, "rms_norm_eps": m.norm_epsilon,
-            "rope_theta": float(m.rotary_base), "max_position_embeddings": m.seq_length,
+            "rope_theta": float(m.rotary_base), "rope_scaling_factor": m.rope_scaling_factor,
+            "attention_bias": m.qkv_bias, "max_position_embeddings": m.seq_length,
             "stem_variant": cfg.stem.variant if stem_layers else "stem", "stem_layers": stem_layers,
             "stem_tables_on_host": False, "initializer_range": m.init_method_std, "use_cache": True,
             "bos_token_id": eod, "eos_token_id": eod, "pad_token_id": eod, "tie_word_embeddings": False,
@@ -147,7 +137,8 @@ def export_hf(export_dir, out_dir, max_shard_bytes: int = 2 * 2**30) -> Path:
     shutil.copy(tokenizer, tmp / "tokenizer.json")
     (tmp / "tokenizer_config.json").write_text(json.dumps(
         {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": EOD_TOKEN, "eos_token": EOD_TOKEN,
-         "pad_token": EOD_TOKEN, "model_max_length": cfg.model.seq_length, "clean_up_tokenization_spaces": False},
+         "pad_token": EOD_TOKEN, "model_max_length": cfg.model.seq_length, "clean_up_tokenization_spaces": False,
+         "padding_side": "left"},  # batched generate() continues every prompt from its last token
         indent=2))
     for file in MODEL_FILES:
         shutil.copy(HERE / file, tmp / file)

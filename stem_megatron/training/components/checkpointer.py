@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from stem_megatron.checkpoint import manager as checkpoints
 from stem_megatron.checkpoint.atomic import CheckpointError, resolve
+from stem_megatron.checkpoint.hf.load import init_from_hf
 from stem_megatron.config import RunConfig
 from stem_megatron.training.preemption import Decision
 from stem_megatron.training.setup import Trainer
@@ -31,7 +32,8 @@ class Checkpointer:
         self.stopped_file = Path(cfg.out_dir) / STOPPED
 
     def resume(self) -> int:
-        """Load the checkpoint this run continues from (or the weights it starts from); returns its step
+        """Load the checkpoint this run continues from (or the weights it starts from: ``checkpoint.init_from``, or a
+        Hugging Face model, ``checkpoint.init_from_hf``); returns its step
         (collective). An earlier job's ``stopped.json`` goes: this job resumed from its checkpoint."""
         step, steps = self._load(), self.cfg.train.steps
         if self.rank0:
@@ -57,6 +59,12 @@ class Checkpointer:
             checkpoints.init_weights(source, cfg, self.trainer)
             if self.rank0:
                 print(f"initialised weights and STEM tables from {source}", flush=True)
+        if cfg.checkpoint.init_from_hf:
+            source = init_from_hf(cfg, self.trainer)
+            if self.rank0:
+                tables = {"from_dense": ", STEM tables from a calibration pass over data.dir"}
+                print(f"initialised weights from the Hugging Face model {source}"
+                      f"{tables.get(cfg.stem.table_init, '')}", flush=True)
         return 0
 
     def should_save(self, state: TrainState, decided: Decision) -> bool:

@@ -1,0 +1,105 @@
+"""``checkpoint.init_from_hf=DIR``: a new run's weights from a Hugging Face Llama or Qwen2 directory, at any
+TP/PP/DP layout (docs/checkpoints.md, "Hugging Face import").
+
+Every rank reads the tensors of its own stage from the safetensors shards (memory-mapped), fuses them into megatron's
+layout (``tensors.to_megatron``) and keeps its TP slice (``model.sharding.shard_of``), as the layout tests load one
+process's weights. With a STEM variant the planned layers become STEM layers: ``W_g`` and ``W_d`` are the dense
+gate and down projections, the up-projection is dropped (kept as ``W_u`` by STEM† and the gate ablation), and
+``U_l`` is drawn by ``stem.table_init`` as for a new run, or with ``from_dense`` computed from the dense model
+(``calibration``). The optimizer, schedule and step start fresh.
+"""
+
+from __future__ import annotations
+
+import json
+from contextlib import ExitStack
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from stem_megatron.checkpoint.hf.calibration import mean_ffn_inputs
+from stem_megatron.checkpoint.hf.model_config import read_hf_model
+from stem_megatron.checkpoint.hf.tensors import to_megatron
+from stem_megatron.config import ConfigError, RunConfig
+from stem_megatron.model.sharding import local_to_global, shard_of
+
+
+class HFWeights:
+    """A Hugging Face directory's tensors by name, read on demand from its safetensors shards."""
+
+    def __init__(self, directory: Path):
+        from safetensors import safe_open
+
+        self.directory = directory
+        index = directory / "model.safetensors.index.json"
+        files = (sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file()
+                 else [p.name for p in sorted(directory.glob("*.safetensors"))])
+        self._stack = ExitStack()
+        self._where = {}
+        for file in files:
+            handle = self._stack.enter_context(safe_open(str(directory / file), framework="pt"))
+            self._where.update({name: handle for name in handle.keys()})
+
+    def __call__(self, name: str) -> torch.Tensor:
+        if name not in self._where:
+            raise ConfigError(f"checkpoint.init_from_hf: {self.directory} has no tensor {name}: its weights do "
+                              f"not match its config.json (an incomplete or foreign save)")
+        return self._where[name].get_tensor(name)
+
+    def close(self) -> None:
+        self._stack.close()
+
+
+def _stem_tables(trainer) -> dict[int, torch.nn.Parameter]:
+    """This stage's device-resident ``U_l`` parameters by 0-based global layer (host placement: none)."""
+    stage = trainer.model.module
+    names = local_to_global(stage)
+    return {int(names[n].split(".")[2]): p for n, p in stage.named_parameters() if n.endswith("mlp.U_l.weight")}
+
+
+@torch.no_grad()
+def init_from_hf(cfg: RunConfig, trainer) -> Path:
+    """Load ``checkpoint.init_from_hf`` into ``trainer``'s model (and its STEM tables with ``from_dense``);
+    collective over the world. Returns the directory."""
+    hf = read_hf_model(cfg.checkpoint.init_from_hf)
+    m = cfg.model
+    read = HFWeights(hf.directory)
+    try:
+        stage = trainer.model.module
+        names = local_to_global(stage)
+        for local, param in stage.named_parameters():
+            full = to_megatron(names[local], read, m.num_attention_heads, m.num_query_groups or m.num_attention_heads,
+                               m.vocab_size, hf.tied)
+            if full is None:  # a STEM table: below
+                continue
+            part = shard_of(full, param)
+            if part.shape != param.shape:
+                raise ConfigError(f"checkpoint.init_from_hf: {hf.directory}'s {names[local]} has shape "
+                                  f"{tuple(full.shape)}, which the model's {tuple(param.shape)} (this rank's part) "
+                                  f"does not take: its tensors do not match its config.json")
+            param.copy_(part)
+        if cfg.stem.table_init == "from_dense":
+            _tables_from_dense(cfg, trainer, hf.directory, read)
+    finally:
+        read.close()
+    trainer.optimizer.reload_model_params()
+    dist.barrier()
+    return hf.directory
+
+
+def _tables_from_dense(cfg: RunConfig, trainer, directory: Path, read: HFWeights) -> None:
+    """``U_l[t] = W_u E[x_l | t]`` into every STEM table of this stage (``calibration``)."""
+    store, device_tables = trainer.store, _stem_tables(trainer)
+    layers = [layer - 1 for layer in store.layers] if store is not None else sorted(device_tables)
+    # every rank takes part in the calibration pass (its collectives), also a stage with no STEM layer
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, layers)
+    planned = sorted({layer for mine in every for layer in mine})
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    means = mean_ffn_inputs(cfg, directory, planned, cfg.model.vocab_size, device)
+    tables = {layer: means[layer] @ read(f"model.layers.{layer}.mlp.up_proj.weight").float().t() for layer in layers}
+    if store is not None:
+        store.load_tables({layer + 1: table for layer, table in tables.items()})
+    for layer, param in device_tables.items():
+        param.copy_(shard_of(tables[layer], param))

@@ -1,0 +1,230 @@
+"""``checkpoint.init_from_hf``: Hugging Face Llama and Qwen2 models as a run's initial weights (checkpoint/hf/).
+
+Against transformers' own models (tests/hf_models.py: GQA, Qwen2's biases, tied embeddings, rope theta, eps, a padded
+vocabulary): the same logits at TP=1 (DP=2) and at TP=2 x PP=2, within 1e-5 of the logits' scale; a dense Llama
+imported at TP=2 x PP=2 then exported (``checkpoint.export`` and ``stem-export-hf``) gives back its tensors bitwise;
+the dense-to-STEM conversion keeps the dense gate and down projections and, with ``from_dense``, fills ``U_l`` with
+``W_u E[x_l | t]`` as a plain loop over the calibration windows computes it; bad input is refused in one line.
+"""
+
+import json
+import re
+import shutil
+
+import distributed
+import pytest
+import torch
+from hf_models import ARCHS, import_config, save_hf_model
+
+BOUND = 1e-5
+CALIBRATION = 1024  # tokens of the from_dense pass: 32 windows of 32
+
+
+@pytest.fixture(scope="module")
+def hf_dirs(corpus, tmp_path_factory):
+    root = tmp_path_factory.mktemp("hf_models")
+    return {arch: save_hf_model(arch, corpus, root / arch) for arch in ARCHS}
+
+
+def _logits(trainer, tokens: torch.Tensor):
+    """The model's logits [b, s, V] for ``tokens`` on the last pipeline stage (gathered over TP), None elsewhere;
+    through megatron's schedule, as validation runs it."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+    from stem_megatron.model.token_context import token_ids
+
+    out = []
+
+    def forward_step(data, model):
+        batch = next(data)
+        positions = torch.arange(batch.shape[1]).expand_as(batch)
+        with token_ids(batch, None, None):
+            output = model(batch, positions, None)
+
+        def keep(logits):
+            out.append(gather_from_tensor_model_parallel_region(logits))
+            return logits.sum() * 0, {}
+        return output, keep
+
+    with torch.no_grad():
+        get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter([tokens]), model=[trainer.model],
+                                    num_microbatches=1, seq_length=tokens.shape[1], micro_batch_size=tokens.shape[0],
+                                    forward_only=True)
+    return out[0] if out else None
+
+
+def _import(cfg, world: int):
+    from stem_megatron.checkpoint.hf.load import init_from_hf
+    from stem_megatron.config import validate
+    from stem_megatron.training.setup import setup_model
+
+    validate(cfg, world)
+    trainer = setup_model(cfg)
+    init_from_hf(cfg, trainer)
+    return trainer
+
+
+def _dense_at_layout(corpus, hf_dirs, tokens, tp, pp, export_dir):
+    """Per architecture the imported model's logits; the Llama exported to ``export_dir`` (when given)."""
+    from stem_megatron.export.writer import export
+
+    got = {}
+    for arch, hf_dir in hf_dirs.items():
+        cfg = import_config(arch, corpus, hf_dir, tp, pp)
+        trainer = _import(cfg, torch.distributed.get_world_size())
+        got[arch] = _logits(trainer, tokens)
+        if export_dir is not None and arch == "llama":
+            export(cfg, trainer, export_dir)
+    return got
+
+
+def _reference(hf_dir, tokens):
+    from transformers import AutoModelForCausalLM
+
+    with torch.no_grad():
+        return AutoModelForCausalLM.from_pretrained(hf_dir).eval()(input_ids=tokens).logits
+
+
+@pytest.mark.slow
+def test_imported_models_give_transformers_logits_at_tp1_and_tp2_pp2(corpus, hf_dirs, tmp_path):
+    tokens = torch.randint(0, 400, (2, 32), generator=torch.Generator().manual_seed(0))
+    at_tp1 = distributed.run(_dense_at_layout, 2, corpus, hf_dirs, tokens, 1, 1, None)  # DP=2
+    at_tp2_pp2 = distributed.run(_dense_at_layout, 4, corpus, hf_dirs, tokens, 2, 2, tmp_path / "export", tp=2, pp=2)
+    for arch, hf_dir in hf_dirs.items():
+        ref = _reference(hf_dir, tokens)
+        vocab = ARCHS[arch]["vocab_size"]
+        scale = ref.abs().max()
+        for name, results in (("tp1", at_tp1), ("tp2_pp2", at_tp2_pp2)):
+            last = [r[arch] for r in results if r[arch] is not None]
+            assert len(last) == len(results) // (2 if name == "tp2_pp2" else 1)  # the last stage's ranks
+            for ours in last:
+                assert ours.shape[-1] >= vocab
+                err = (ours[..., :vocab] - ref).abs().max() / scale
+                assert err <= BOUND, (arch, name, float(err))
+    _exported_tensors_are_the_imported_ones(hf_dirs["llama"], tmp_path)
+
+
+def _to_hf(export_dir, out):
+    from stem_megatron.export.hf.writer import export_hf
+
+    export_hf(export_dir, out)
+
+
+def _exported_tensors_are_the_imported_ones(hf_dir, tmp_path) -> None:
+    """The Llama imported at TP=2 x PP=2 and exported: every tensor of the HF directory back, bitwise."""
+    from safetensors.torch import load_file
+
+    distributed.run(_to_hf, 1, tmp_path / "export", tmp_path / "hf")
+    original = load_file(hf_dir / "model.safetensors")
+    back = {}
+    for shard in sorted((tmp_path / "hf").glob("*.safetensors")):
+        back.update(load_file(shard))
+    assert sorted(back) == sorted(original)
+    for name, tensor in original.items():
+        assert torch.equal(back[name], tensor), name
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config["rope_theta"] == ARCHS["llama"]["rope_theta"] and config["rms_norm_eps"] == 1e-6
+    assert json.loads((tmp_path / "hf" / "tokenizer_config.json").read_text())["padding_side"] == "left"
+
+
+def _converted(corpus, hf_dir, placement):
+    """A dense Llama imported as STEM-1/3 (layer 3 of 4... by the plan) with ``from_dense`` tables: the tables and the
+    STEM layers' dense weights."""
+    from stem_megatron.config import HostTablesConfig
+
+    cfg = import_config("llama", corpus, hf_dir, variant="stem", ratio="1/3", table_init="from_dense",
+                        calibration_tokens=CALIBRATION)
+    cfg.host_tables = HostTablesConfig(placement=placement)
+    trainer = _import(cfg, torch.distributed.get_world_size())
+    stage = trainer.model.module
+    weights = {n: p.detach().clone() for n, p in stage.named_parameters() if ".mlp." in n and "U_l" not in n}
+    if trainer.store is not None:
+        tables = {layer - 1: trainer.store.table(layer) for layer in trainer.store.layers}
+    else:
+        tables = {int(n.split(".")[2]): p.detach().clone() for n, p in stage.named_parameters() if "U_l" in n}
+    return {"tables": tables, "weights": weights}
+
+
+def _plain_from_dense(corpus, hf_dir, layers):
+    """``W_u E[x_l | t]`` by a loop over the calibration windows and their positions (unseen ids: ``W_u E[x_l]``)."""
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(hf_dir).eval()
+    data = IndexedDataset(str(corpus / "train"))
+    stream = torch.cat([torch.from_numpy(data[i].astype("int64")) for i in range(len(data))])[:CALIBRATION]
+    seen = {layer: {} for layer in layers}
+    inputs = {}
+    hooks = [model.model.layers[layer].mlp.register_forward_pre_hook(
+        lambda _m, args, layer=layer: inputs.__setitem__(layer, args[0][0])) for layer in layers]
+    with torch.no_grad():
+        for window in stream.view(-1, 32):
+            model(input_ids=window[None])
+            for layer in layers:
+                for pos, t in enumerate(window.tolist()):
+                    seen[layer].setdefault(t, []).append(inputs[layer][pos].double())
+    for hook in hooks:
+        hook.remove()
+    tables = {}
+    for layer in layers:
+        every = torch.stack([x for xs in seen[layer].values() for x in xs]).mean(0)
+        means = torch.stack([torch.stack(seen[layer][t]).mean(0) if t in seen[layer] else every for t in range(400)])
+        tables[layer] = means.float() @ model.model.layers[layer].mlp.up_proj.weight.t()
+    return tables, {layer: model.model.layers[layer].mlp for layer in layers}
+
+
+@pytest.mark.slow
+def test_a_dense_model_becomes_stem_with_tables_from_dense(corpus, hf_dirs):
+    """Host tables at DP=2 (the calibration windows split over the ranks, the sums all-reduced) and a device table
+    in one process give the plain loop's tables; ``W_g``/``W_d`` are the dense gate and down projections."""
+    (host, _) = distributed.run(_converted, 2, corpus, hf_dirs["llama"], "host")
+    (device,) = distributed.run(_converted, 1, corpus, hf_dirs["llama"], "device")
+    want, mlps = _plain_from_dense(corpus, hf_dirs["llama"], sorted(host["tables"]))
+    assert sorted(host["tables"]) == sorted(device["tables"]) == [3]  # STEM-1/3 of 4 layers: the plan's layer
+    for got in (host, device):
+        for layer, table in want.items():
+            assert (got["tables"][layer] - table).abs().max() <= BOUND * table.abs().max(), layer
+            assert torch.equal(got["weights"][f"decoder.layers.{layer}.mlp.W_g.weight"], mlps[layer].gate_proj.weight)
+            assert torch.equal(got["weights"][f"decoder.layers.{layer}.mlp.W_d.weight"], mlps[layer].down_proj.weight)
+
+
+def _errors(corpus, hf_dirs, tmp_path):
+    from stem_megatron.config import ConfigError, validate
+
+    said = {}
+    llama = hf_dirs["llama"]
+
+    def refusal(name, cfg):
+        with pytest.raises(ConfigError) as error:
+            validate(cfg, 1)
+        said[name] = str(error.value)
+
+    refusal("not a model", import_config("llama", corpus, tmp_path))
+    foreign = tmp_path / "gpt2"
+    shutil.copytree(llama, foreign)
+    config = json.loads((foreign / "config.json").read_text())
+    (foreign / "config.json").write_text(json.dumps({**config, "architectures": ["GPT2LMHeadModel"]}))
+    refusal("architecture", import_config("llama", corpus, foreign))
+    wrong = import_config("llama", corpus, llama)
+    wrong.model.hidden_size = 128
+    refusal("shape", wrong)
+    big = tmp_path / "small_vocab"
+    shutil.copytree(llama, big)
+    (big / "config.json").write_text(json.dumps({**config, "vocab_size": 300}))
+    cfg = import_config("llama", corpus, big)
+    cfg.model.vocab_size = 300
+    cfg.data.vocab_size = 300
+    refusal("tokenizer", cfg)
+    return said
+
+
+def test_bad_input_is_one_line(corpus, hf_dirs, tmp_path):
+    said = _errors(corpus, hf_dirs, tmp_path)
+    for line in said.values():
+        assert "\n" not in line and line.startswith("checkpoint.init_from_hf: "), line
+    assert "is not a Hugging Face model directory (no config.json)" in said["not a model"]
+    assert "holds a GPT2LMHeadModel: the import takes LlamaForCausalLM, Qwen2ForCausalLM" in said["architecture"]
+    assert "has hidden_size=64 where the run has model.hidden_size=128: set" in said["shape"]
+    assert "model.hidden_size=64 model.ffn_hidden_size=96" in said["shape"]
+    assert re.search(r"has a tokenizer of 3\d\d ids, more than the model's vocab_size=300: ", said["tokenizer"])
