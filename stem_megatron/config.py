@@ -25,8 +25,7 @@ class ConfigError(ValueError):
 
 @dataclass
 class ModelConfig:
-    """Transformer shape (megatron-core GPTModel, RMSNorm, SwiGLU, RoPE, untied embeddings; Qwen2's q/k/v biases and
-    Llama 3's RoPE scaling for imported models, ``checkpoint.init_from_hf``)."""
+    """Transformer shape (megatron-core GPTModel, RMSNorm, SwiGLU, RoPE, untied embeddings)."""
 
     name: str = "tiny"
     num_layers: int = 4
@@ -40,9 +39,7 @@ class ModelConfig:
     norm_epsilon: float = 1e-5
     init_method_std: float = 0.02
     qkv_bias: bool = False  # biases on the q/k/v projections (Qwen2)
-    # Llama 3's RoPE frequency scaling (rope_type "llama3": low/high frequency factors 1 and 4, 8192 original
-    # positions, as megatron applies it); None: no scaling
-    rope_scaling_factor: Optional[float] = None
+    rope_scaling_factor: Optional[float] = None  # Llama 3's RoPE scaling (as megatron applies it); None: none
 
 
 @dataclass
@@ -55,10 +52,10 @@ class STEMConfig:
     # U_l ~ N(0, std) (docs/recipes.md): scaled: std = init_method_std * sqrt(hidden_size), the scale of the W_u x
     # entries U_l[t] replaces | xavier: std = sqrt(2 / (vocab_size + ffn_hidden_size)), as the released code |
     # from_dense (with checkpoint.init_from_hf): U_l[t] = W_u E[x_l | t], the dense layer's up-projection of its FFN
-    # input averaged over token t's occurrences in data.dir's training split (docs/checkpoints.md)
+    # input averaged over token t's occurrences in the training mix, data.blend (docs/checkpoints.md)
     table_init: str = "scaled"
     table_init_std: Optional[float] = None  # overrides the std of scaled or xavier
-    calibration_tokens: Optional[int] = None  # from_dense: tokens of the calibration pass (None: the whole split)
+    calibration_tokens: Optional[int] = None  # from_dense: tokens of the calibration pass (None: one pass over all)
 
 
 @dataclass
@@ -203,9 +200,7 @@ class CheckpointConfig:
     fallback: bool = True  # a damaged newest checkpoint is reported and the newest intact one used (false: refuse)
     load: Optional[str] = None  # resume from this checkpoint (a step dir or a root with `latest`) instead
     init_from: Optional[str] = None  # new run whose weights and STEM tables come from this checkpoint
-    # new run whose weights come from a Hugging Face Llama/Qwen2 directory (config.json, safetensors); with a STEM
-    # variant its planned layers are converted (stem.table_init; docs/checkpoints.md, "Hugging Face import")
-    init_from_hf: Optional[str] = None
+    init_from_hf: Optional[str] = None  # new run from a Hugging Face Llama/Qwen2 directory (docs/checkpoints.md)
     init_required: bool = False  # the recipe continues an earlier stage: init_from must be given
     export: Optional[str] = None  # after the last step, write a single-process export here
 
@@ -274,10 +269,6 @@ def validate(cfg: RunConfig, world_size: int) -> int:
     _validate_data(cfg.data)
     for name, path in (("checkpoint.load", c.load), ("checkpoint.init_from", c.init_from)):
         _check(path is None or Path(path).exists(), name, f"{path} does not exist")
-    if c.init_from_hf:
-        from stem_megatron.checkpoint.hf.model_config import check_hf_import
-
-        check_hf_import(cfg)
     return dp
 
 
@@ -323,11 +314,9 @@ def validate_layout(cfg: RunConfig, world_size: int) -> int:
     _check(h.read_dtype in ("fp32", "bf16"), "host_tables.read_dtype", f"{h.read_dtype!r} is not 'fp32' or 'bf16'")
     _check(s.table_init in ("scaled", "xavier", "from_dense"), "stem.table_init",
            f"{s.table_init!r} is not 'scaled', 'xavier' or 'from_dense' (docs/recipes.md)")
-    _check(s.table_init != "from_dense" or cfg.checkpoint.init_from_hf, "stem.table_init",
-           "from_dense initialises the tables from a dense model's up-projections: set checkpoint.init_from_hf=<a "
-           "Hugging Face model directory>, or stem.table_init=scaled")
-    _check(s.calibration_tokens is None or s.calibration_tokens >= 1, "stem.calibration_tokens",
-           "must be >= 1 or null (the whole training split)")
+    _check(s.table_init != "from_dense" or cfg.checkpoint.init_from_hf, "stem.table_init", "from_dense reads a dense "
+           "model's up-projections: set checkpoint.init_from_hf=<a Hugging Face model directory>, or table_init=scaled")
+    _check((s.calibration_tokens or 1) >= 1, "stem.calibration_tokens", "must be >= 1 or null (one pass over all)")
     _check(s.table_init_std is None or s.table_init_std > 0, "stem.table_init_std", "must be > 0 or null")
     _check(h.prefetch_depth >= 1, "host_tables.prefetch_depth", "must be >= 1")
     _check(h.cache_rows >= 0, "host_tables.cache_rows", "must be >= 0")
@@ -393,7 +382,7 @@ def validate_layout(cfg: RunConfig, world_size: int) -> int:
            "set either checkpoint.load (resume a run) or checkpoint.init_from (start a new run from "
            "its weights), not both")
     _check(not (c.init_from_hf and (c.load or c.init_from)), "checkpoint.init_from_hf",
-           "a new run starts from one source: set checkpoint.init_from_hf or checkpoint.init_from/load, not both")
+           "a run starts from one source: set checkpoint.init_from_hf or checkpoint.init_from/load, not both")
     _check(c.init_from or c.load or not c.init_required, "checkpoint.init_from",
            "this recipe continues an earlier training stage: set checkpoint.init_from=<that run's checkpoints "
            "directory or one of its step_* checkpoints>")

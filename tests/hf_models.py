@@ -46,4 +46,4 @@ def import_config(arch: str, corpus: Path, hf_dir: Path, tp: int = 1, pp: int = 
         stem=STEMConfig(**({"variant": "dense"} | stem)),
         parallel=ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp),
         data=DataConfig(dir=str(corpus), vocab_size=VOCAB),
-        checkpoint=CheckpointConfig(init_from_hf=str(hf_dir), save=False))
+        checkpoint=CheckpointConfig(init_from_hf=str(hf_dir), save=False), out_dir=str(hf_dir.parent / f"run-{arch}"))

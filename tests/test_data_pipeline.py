@@ -21,7 +21,7 @@ from stem_megatron.data.datasets import build_datasets
 from stem_megatron.data.integrity import check_indexed_dataset
 from stem_megatron.data.preprocess import main as preprocess_main
 from stem_megatron.data.preprocess import preprocess
-from stem_megatron.data.tokenizer import HFTokenizer
+from stem_megatron.data.tokenizer import HFTokenizer, train_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -82,6 +82,8 @@ def test_preprocess_to_packed_samples_round_trip(fmt, corpus, tok, tmp_path, wor
         args = ["--input", str(tmp_path / "in"), "--pattern", "*.md"]
     prefix = tmp_path / "out" / "ds"
     preprocess_main([*args, "--output-prefix", str(prefix), "--tokenizer", str(corpus / "tokenizer.json")])
+    # the tokenizer now beside the data (what data.dir/tokenizer.json a run reads)
+    assert (prefix.parent / "tokenizer.json").read_bytes() == (corpus / "tokenizer.json").read_bytes()
 
     indexed = IndexedDataset(str(prefix))
     assert [indexed[i].tolist() for i in range(len(indexed))] == [tok.tokenize(d) + [tok.eod] for d in docs]
@@ -113,6 +115,21 @@ def test_preprocess_trains_a_tokenizer_and_refuses_to_replace_it(tmp_path):
     with pytest.raises(ValueError, match="exactly one of --tokenizer"):
         preprocess([tmp_path / "d.jsonl"], tmp_path / "x", tokenizer=tmp_path / "out" / "tokenizer.json",
                    vocab_size=300)
+    (tmp_path / "other").mkdir()
+    train_tokenizer(docs, 280, tmp_path / "other" / "tokenizer.json")
+    with pytest.raises(ValueError, match=r"out/tokenizer\.json is another tokenizer than .*other/tokenizer\.json: "
+                                         "the datasets of one data dir share one tokenizer"):
+        preprocess([tmp_path / "d.jsonl"], tmp_path / "out" / "more", tokenizer=tmp_path / "other" / "tokenizer.json")
+
+
+def test_llama3_end_of_text_separates_documents(tmp_path):
+    """A Llama 3 tokenizer has ``<|end_of_text|>``, not ``<|endoftext|>``: it is the documents' EOD."""
+    from tokenizers import Tokenizer, models
+
+    words = {"<|begin_of_text|>": 0, "<|end_of_text|>": 1, "a": 2}
+    Tokenizer(models.WordLevel(words, unk_token="a")).save(str(tmp_path / "tokenizer.json"))
+    tok = HFTokenizer(tmp_path / "tokenizer.json")
+    assert (tok.eod, tok.eod_token) == (1, "<|end_of_text|>")
 
 
 @pytest.mark.parametrize("content, message", [

@@ -361,3 +361,25 @@ def test_cli_missing_field_exit_code(tmp_path):
                           check=False, capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert done.returncode == 2 and "missing fields" in done.stderr and "'intermediate_size'" in done.stderr
     assert done.stdout == ""
+
+
+def test_a_hugging_face_qwen2_directory_reads_as_its_preset(tmp_path, capsys):
+    """The directory transformers writes for Qwen2.5-1.5B's config (no ``qkv_bias`` key: its q/k/v biases come from
+    ``model_type: qwen2``) gives the preset's savings and parameter counts, figure for figure."""
+    from transformers import Qwen2Config
+
+    Qwen2Config(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+                num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True).save_pretrained(tmp_path / "qwen")
+    assert "qkv_bias" not in json.loads((tmp_path / "qwen" / "config.json").read_text())
+    reports = {}
+    for spec in (str(tmp_path / "qwen"), "qwen2.5_1.5b"):
+        main([spec, "-L", "4096", "--ratio", "all", "--json"])
+        reports[spec] = json.loads(capsys.readouterr().out)["models"][0]
+    hf, preset = reports.values()
+    assert load_arch(str(tmp_path / "qwen")).qkv_bias
+    for report in (hf, preset):  # where each came from (the preset also names its context, given here by -L)
+        report.pop("model"), report.pop("source", None)
+        for key in ("name", "source", "seq_length"):
+            report["architecture"].pop(key, None)
+    assert hf == preset
+    assert hf["paper_saving_percent"] == 21.7

@@ -55,13 +55,17 @@ def _logits(trainer, tokens: torch.Tensor):
 
 
 def _import(cfg, world: int):
-    from stem_megatron.checkpoint.hf.load import init_from_hf
+    """The run's start as the training loop makes it: checks, model, then the checkpointer's resume (a new run: the
+    Hugging Face weights)."""
+    from stem_megatron.checkpoint.hf.model_config import check_hf_import
     from stem_megatron.config import validate
+    from stem_megatron.training.components.checkpointer import Checkpointer
     from stem_megatron.training.setup import setup_model
 
     validate(cfg, world)
+    check_hf_import(cfg)
     trainer = setup_model(cfg)
-    init_from_hf(cfg, trainer)
+    assert Checkpointer(cfg, trainer, detector=None).resume() == 0
     return trainer
 
 
@@ -190,14 +194,16 @@ def test_a_dense_model_becomes_stem_with_tables_from_dense(corpus, hf_dirs):
 
 
 def _errors(corpus, hf_dirs, tmp_path):
+    from stem_megatron.checkpoint.hf.model_config import check_hf_import
     from stem_megatron.config import ConfigError, validate
 
     said = {}
     llama = hf_dirs["llama"]
 
     def refusal(name, cfg):
+        validate(cfg, 1)
         with pytest.raises(ConfigError) as error:
-            validate(cfg, 1)
+            check_hf_import(cfg)
         said[name] = str(error.value)
 
     refusal("not a model", import_config("llama", corpus, tmp_path))

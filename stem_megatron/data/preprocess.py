@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import shutil
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -83,9 +84,23 @@ def write_indexed_dataset(docs: Iterable[str], tokenizer: HFTokenizer, prefix, b
     return {"docs": num_docs, "tokens": num_tokens}
 
 
+def _beside(tokenizer: Path, data_dir: Path) -> Path:
+    """``tokenizer`` copied into ``data_dir`` as its ``tokenizer.json`` (a run reads ``data.dir/tokenizer.json``: a
+    Hugging Face model's, ``stem-preprocess --tokenizer MODEL_DIR/tokenizer.json``); one already there must be it."""
+    if not tokenizer.is_file():
+        raise FileNotFoundError(f"tokenizer {tokenizer} does not exist")
+    there = data_dir / "tokenizer.json"
+    if not there.exists():
+        shutil.copyfile(tokenizer, there)
+    elif there.read_bytes() != tokenizer.read_bytes():
+        raise ValueError(f"{there} is another tokenizer than {tokenizer}: the datasets of one data dir share one "
+                         f"tokenizer; write these to another directory")
+    return there
+
+
 def preprocess(inputs, output_prefix, tokenizer=None, vocab_size=None, text_key="text", pattern="*.txt") -> dict:
-    """Tokenize ``inputs`` into ``output_prefix.{bin,idx}`` with ``tokenizer`` (a tokenizer.json), or with a
-    new byte-level BPE of ``vocab_size`` trained on them and saved as ``tokenizer.json`` beside the output."""
+    """Tokenize ``inputs`` into ``output_prefix.{bin,idx}`` with ``tokenizer`` (a tokenizer.json, copied beside the
+    output), or with a new byte-level BPE of ``vocab_size`` trained on them and saved as ``tokenizer.json`` there."""
     if (tokenizer is None) == (vocab_size is None):
         raise ValueError("give exactly one of --tokenizer (reuse a tokenizer.json) or --vocab-size (train one)")
     files = expand_inputs(inputs, pattern)
@@ -97,6 +112,8 @@ def preprocess(inputs, output_prefix, tokenizer=None, vocab_size=None, text_key=
             raise FileExistsError(f"{tokenizer} exists and other datasets there may use it: pass --tokenizer "
                                   f"{tokenizer} to reuse it, or delete it to train a new one")
         train_tokenizer(read_documents(files, text_key), vocab_size, tokenizer)
+    else:
+        tokenizer = _beside(Path(tokenizer), prefix.parent)
     stats = write_indexed_dataset(read_documents(files, text_key), HFTokenizer(tokenizer), prefix)
     return {**stats, "files": len(files), "tokenizer": str(tokenizer)}
 
@@ -105,7 +122,8 @@ def main(argv=None):
     parser = argparse.ArgumentParser(prog="stem-preprocess", description=__doc__.splitlines()[0])
     parser.add_argument("--input", nargs="+", required=True, help="jsonl / text files or directories")
     parser.add_argument("--output-prefix", required=True, help="writes PREFIX.bin and PREFIX.idx")
-    parser.add_argument("--tokenizer", help="tokenizer.json to use")
+    parser.add_argument("--tokenizer", help="tokenizer.json to use (a Hugging Face model's, to start from it: "
+                                            "checkpoint.init_from_hf); copied beside the output")
     parser.add_argument("--vocab-size", type=int, help="train a byte-level BPE of this size instead")
     parser.add_argument("--text-key", default="text", help="field holding the text in jsonl records")
     parser.add_argument("--pattern", default="*.txt", help="files taken from input directories (glob)")

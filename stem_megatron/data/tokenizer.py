@@ -17,7 +17,8 @@ from megatron.core.datasets.megatron_dataset import _PAD_TOKEN_ID
 from megatron.core.tokenizers import MegatronTokenizerBase
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-EOD_TOKEN = "<|endoftext|>"
+EOD_TOKEN = "<|endoftext|>"  # ours (train_tokenizer) and Qwen2's
+EOD_TOKENS = (EOD_TOKEN, "<|end_of_text|>")  # the end-of-document tokens a tokenizer may have: Llama 3's second
 
 
 def train_tokenizer(docs, vocab_size, path):
@@ -55,11 +56,12 @@ class HFTokenizer(MegatronTokenizerBase):
             )
         super().__init__(str(path), {})
         self._tokenizer = Tokenizer.from_file(str(path))
-        eod = self._tokenizer.token_to_id(EOD_TOKEN)
-        if eod is None:
-            raise ValueError(f"tokenizer {path} has no {EOD_TOKEN} token, which separates documents; "
-                             f"retrain it with stem-preprocess --vocab-size N")
-        self._eod = eod
+        found = [token for token in EOD_TOKENS if self._tokenizer.token_to_id(token) is not None]
+        if not found:
+            raise ValueError(f"tokenizer {path} has none of the end-of-document tokens {EOD_TOKENS}, one of which "
+                             f"separates documents; retrain it with stem-preprocess --vocab-size N")
+        self.eod_token = found[0]
+        self._eod = self._tokenizer.token_to_id(self.eod_token)
 
     def tokenize(self, text: str) -> list[int]:
         return self._tokenizer.encode(text).ids

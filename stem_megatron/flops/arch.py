@@ -76,7 +76,8 @@ def _check_heads(arch: Arch, heads_field: str, kv_field: str, where: str) -> Arc
 def arch_from_hf(cfg: Mapping, name: str = "model", source: str = "") -> Arch:
     """An HF ``config.json``-style mapping (hidden_size, intermediate_size, num_hidden_layers,
     num_attention_heads, num_key_value_heads, vocab_size; optional head_dim, tie_word_embeddings,
-    seq_length, qkv_bias). A missing field raises FlopsError naming it."""
+    seq_length, qkv_bias: else a Qwen2 ``model_type`` or ``attention_bias`` has q/k/v biases, as transformers
+    builds them). A missing field raises FlopsError naming it."""
     where = source or name
     missing = [k for k in HF_FIELDS if cfg.get(k) is None]
     if missing:
@@ -100,7 +101,8 @@ def arch_from_hf(cfg: Mapping, name: str = "model", source: str = "") -> Arch:
         vocab_size=_int_field(cfg, "vocab_size", where), head_dim=head_dim,
         seq_length=_int_field(cfg, "seq_length", where, required=False),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        qkv_bias=bool(cfg.get("qkv_bias", False)), source=source,
+        qkv_bias=bool(cfg.get("qkv_bias", cfg.get("model_type") == "qwen2" or cfg.get("attention_bias", False))),
+        source=source,
     )
     return _check_heads(arch, "num_attention_heads", "num_key_value_heads", where)
 
@@ -154,8 +156,11 @@ def list_presets() -> dict[str, Path]:
 
 
 def load_arch(spec: str) -> Arch:
-    """A preset name or a path to an HF config.json / YAML (either field convention)."""
+    """A preset name, a path to an HF config.json / YAML (either field convention), or a Hugging Face model
+    directory (its config.json)."""
     path = Path(spec)
+    if path.is_dir() and (path / "config.json").is_file():
+        path = path / "config.json"
     presets = list_presets()
     if spec in presets:
         path = presets[spec]

@@ -34,7 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "(paper Table 1, §3.1, Table 3). See docs/flops.md.")
     parser.add_argument("models", nargs="*",
                         help="preset names (recipes/flops, recipes/model), globs over them ('qwen2.5_*'), "
-                             "or paths to an HF config.json / YAML")
+                             "or paths to an HF config.json / YAML or a Hugging Face model directory")
     parser.add_argument("-L", "--seq-len", type=int, default=None,
                         help=f"context length L (default: the preset's seq_length, else {DEFAULT_SEQ_LENGTH})")
     parser.add_argument("-B", "--batch", type=int, default=1, help="sequences per batch B (default 1)")

@@ -9,6 +9,7 @@ import time
 import torch.distributed as dist
 
 from stem_megatron import parallel
+from stem_megatron.checkpoint.hf.model_config import check_hf_import
 from stem_megatron.config import RunConfig, validate
 from stem_megatron.training.components.checkpointer import Checkpointer
 from stem_megatron.training.components.exporter import Exporter
@@ -28,6 +29,8 @@ from stem_megatron.training.train_state import TrainState
 def run(cfg: RunConfig) -> list[dict]:
     """Train ``cfg.train.steps`` steps; returns the step records (rank 0 also writes them)."""
     dp = validate(cfg, int(os.environ.get("WORLD_SIZE", 1)))
+    if cfg.checkpoint.init_from_hf:
+        check_hf_import(cfg)
     parallel.single_process_env()
     parallel.initialize(cfg.parallel.tensor_model_parallel_size, cfg.parallel.pipeline_model_parallel_size,
                         cfg.train.seed, ep=cfg.parallel.expert_model_parallel_size)

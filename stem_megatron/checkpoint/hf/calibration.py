@@ -4,9 +4,10 @@ A dense layer computes ``W_d (SiLU(W_g x) ⊙ W_u x)``; its STEM conversion keep
 ``W_u x`` by a row of the token at hand. The row closest to ``W_u x`` over the data, in the mean-squared sense, is
 ``U_l[t] = W_u E[x_l | t]``: the layer's FFN input (after its pre-MLP norm) averaged over the occurrences of token
 ``t``. This is ours, not the paper's (which trains STEM from scratch): docs/checkpoints.md, "Hugging Face import".
+The pass reads the training mix (``data.blend``) in its proportions, up to ``stem.calibration_tokens``.
 
 The pass runs the dense model as transformers builds it (its own forward, no megatron layout): every rank takes every
-world-th window of ``seq_length`` tokens of the training split, sums each planned layer's FFN inputs by token id, and
+world-th window of ``seq_length`` tokens of the training mix, sums each planned layer's FFN inputs by token id, and
 the sums and counts are all-reduced over the world, so every rank holds the same means whatever its layout. Ids never
 seen get ``W_u E[x_l]``, the mean over every token.
 """
@@ -26,18 +27,29 @@ from stem_megatron.config import RunConfig
 BATCH = 8  # windows a forward
 
 
-def windows(prefixes: list[str], seq_length: int, tokens: int | None) -> Iterator[np.ndarray]:
-    """The training split's documents, concatenated and cut into ``seq_length`` windows (up to ``tokens``)."""
-    taken, buffer = 0, np.empty(0, dtype=np.int64)
-    for prefix in prefixes:
-        dataset = IndexedDataset(prefix)
-        for i in range(len(dataset)):
-            buffer = np.concatenate([buffer, dataset[i].astype(np.int64)])
-            while buffer.size >= seq_length:
-                if tokens is not None and taken + seq_length > tokens:
-                    return
-                yield buffer[:seq_length]
-                buffer, taken = buffer[seq_length:], taken + seq_length
+def _prefix_windows(prefix: str, seq_length: int) -> Iterator[np.ndarray]:
+    """A dataset's documents, concatenated and cut into ``seq_length`` windows."""
+    dataset, buffer = IndexedDataset(prefix), np.empty(0, dtype=np.int64)
+    for i in range(len(dataset)):
+        buffer = np.concatenate([buffer, dataset[i].astype(np.int64)])
+        while buffer.size >= seq_length:
+            yield buffer[:seq_length]
+            buffer = buffer[seq_length:]
+
+
+def windows(blend: list[tuple[float, str]], seq_length: int, tokens: int | None) -> Iterator[np.ndarray]:
+    """Windows of the training mix, up to ``tokens``: from its prefixes in the blend's proportions (the prefix
+    furthest behind its share next), each read once."""
+    streams = {i: _prefix_windows(prefix, seq_length) for i, (_, prefix) in enumerate(blend)}
+    taken = [0] * len(blend)
+    while streams and (tokens is None or sum(taken) * seq_length + seq_length <= tokens):
+        i = min(streams, key=lambda j: (taken[j] / blend[j][0], j))
+        window = next(streams[i], None)
+        if window is None:
+            del streams[i]
+            continue
+        taken[i] += 1
+        yield window
 
 
 def _dense_model(directory: Path, device: torch.device):
@@ -75,8 +87,7 @@ def mean_ffn_inputs(cfg: RunConfig, directory: Path, layers: list[int], vocab_si
 
     rank, world = dist.get_rank(), dist.get_world_size()
     try:
-        prefixes = [prefix for _, prefix in cfg.data.train_blend()]
-        for k, window in enumerate(windows(prefixes, cfg.model.seq_length, cfg.stem.calibration_tokens)):
+        for k, window in enumerate(windows(cfg.data.train_blend(), cfg.model.seq_length, cfg.stem.calibration_tokens)):
             if k % world == rank:
                 batch.append(window)
                 if len(batch) == BATCH:

@@ -29,7 +29,7 @@ import torch
 
 from stem_megatron.checkpoint.hf.tensors import LAYER, PLAIN, TOP, split_fc1, split_qkv
 from stem_megatron.config import RunConfig
-from stem_megatron.data.tokenizer import EOD_TOKEN, HFTokenizer
+from stem_megatron.data.tokenizer import HFTokenizer
 from stem_megatron.durable import fsync_dir
 from stem_megatron.export.format import ExportError, read_export
 
@@ -136,8 +136,8 @@ def export_hf(export_dir, out_dir, max_shard_bytes: int = 2 * 2**30) -> Path:
     (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2))
     shutil.copy(tokenizer, tmp / "tokenizer.json")
     (tmp / "tokenizer_config.json").write_text(json.dumps(
-        {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": EOD_TOKEN, "eos_token": EOD_TOKEN,
-         "pad_token": EOD_TOKEN, "model_max_length": cfg.model.seq_length, "clean_up_tokenization_spaces": False,
+        {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": tokens.eod_token, "eos_token": tokens.eod_token,
+         "pad_token": tokens.eod_token, "model_max_length": cfg.model.seq_length, "clean_up_tokenization_spaces": False,
          "padding_side": "left"},  # batched generate() continues every prompt from its last token
         indent=2))
     for file in MODEL_FILES:
