@@ -1,8 +1,9 @@
 """``checkpoint.init_from_hf``: Hugging Face Llama and Qwen2 models as a run's initial weights (checkpoint/hf/).
 
 Against transformers' own models (tests/hf_models.py: GQA, Qwen2's biases, tied embeddings, rope theta, eps, a padded
-vocabulary): the same logits at TP=1 (DP=2) and at TP=2 x PP=2, within 1e-5 of the logits' scale; a dense Llama
-imported at TP=2 x PP=2 then exported (``checkpoint.export`` and ``stem-export-hf``) gives back its tensors bitwise;
+vocabulary, Llama 3's RoPE scaling): the same logits at TP=1 (DP=2) and at TP=2 x PP=2, within 1e-5 of the logits'
+scale; a dense Llama imported at TP=2 x PP=2 then exported (``checkpoint.export`` and ``stem-export-hf``) gives back
+its tensors bitwise, the Qwen2 exported so gives transformers' Qwen2 logits in our transformers model;
 the dense-to-STEM conversion keeps the dense gate and down projections and, with ``from_dense``, fills ``U_l`` with
 ``W_u E[x_l | t]`` as a plain loop over the calibration windows computes it; bad input is refused in one line.
 """
@@ -78,8 +79,8 @@ def _dense_at_layout(corpus, hf_dirs, tokens, tp, pp, export_dir):
         cfg = import_config(arch, corpus, hf_dir, tp, pp)
         trainer = _import(cfg, torch.distributed.get_world_size())
         got[arch] = _logits(trainer, tokens)
-        if export_dir is not None and arch == "llama":
-            export(cfg, trainer, export_dir)
+        if export_dir is not None:
+            export(cfg, trainer, export_dir / arch)
     return got
 
 
@@ -106,30 +107,44 @@ def test_imported_models_give_transformers_logits_at_tp1_and_tp2_pp2(corpus, hf_
                 assert ours.shape[-1] >= vocab
                 err = (ours[..., :vocab] - ref).abs().max() / scale
                 assert err <= BOUND, (arch, name, float(err))
-    _exported_tensors_are_the_imported_ones(hf_dirs["llama"], tmp_path)
+    distributed.run(_to_hf, 1, tmp_path / "export", tmp_path / "hf")
+    _exported_tensors_are_the_imported_ones(hf_dirs["llama"], tmp_path / "hf" / "llama")
+    _exported_qwen2_gives_transformers_logits(hf_dirs["qwen2"], tmp_path / "hf" / "qwen2", tokens)
 
 
-def _to_hf(export_dir, out):
+def _to_hf(exports, out):
     from stem_megatron.export.hf.writer import export_hf
 
-    export_hf(export_dir, out)
+    for export in sorted(exports.iterdir()):
+        export_hf(export, out / export.name)
 
 
-def _exported_tensors_are_the_imported_ones(hf_dir, tmp_path) -> None:
+def _exported_tensors_are_the_imported_ones(hf_dir, back_dir) -> None:
     """The Llama imported at TP=2 x PP=2 and exported: every tensor of the HF directory back, bitwise."""
     from safetensors.torch import load_file
 
-    distributed.run(_to_hf, 1, tmp_path / "export", tmp_path / "hf")
     original = load_file(hf_dir / "model.safetensors")
     back = {}
-    for shard in sorted((tmp_path / "hf").glob("*.safetensors")):
+    for shard in sorted(back_dir.glob("*.safetensors")):
         back.update(load_file(shard))
     assert sorted(back) == sorted(original)
     for name, tensor in original.items():
         assert torch.equal(back[name], tensor), name
-    config = json.loads((tmp_path / "hf" / "config.json").read_text())
-    assert config["rope_theta"] == ARCHS["llama"]["rope_theta"] and config["rms_norm_eps"] == 1e-6
-    assert json.loads((tmp_path / "hf" / "tokenizer_config.json").read_text())["padding_side"] == "left"
+    config = json.loads((back_dir / "config.json").read_text())
+    assert (config["rope_theta"], config["rope_scaling_factor"], config["rms_norm_eps"]) == (50000.0, 8.0, 1e-6)
+    assert json.loads((back_dir / "tokenizer_config.json").read_text())["padding_side"] == "left"
+
+
+def _exported_qwen2_gives_transformers_logits(hf_dir, back_dir, tokens) -> None:
+    """The Qwen2 imported at TP=2 x PP=2 and exported: our transformers model (its q/k/v biases, the tied head as a
+    copy, the padded id) gives Qwen2's logits."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.no_grad():
+        ours = AutoModelForCausalLM.from_pretrained(back_dir, trust_remote_code=True).eval()(input_ids=tokens).logits
+    ref = _reference(hf_dir, tokens)
+    assert ours.shape[-1] == ARCHS["qwen2"]["vocab_size"] + 1  # padded for TP=2
+    assert (ours[..., :-1] - ref).abs().max() <= BOUND * ref.abs().max()
 
 
 def _converted(corpus, hf_dir, placement):
@@ -222,6 +237,7 @@ def _errors(corpus, hf_dirs, tmp_path):
     cfg.model.vocab_size = 300
     cfg.data.vocab_size = 300
     refusal("tokenizer", cfg)
+    refusal("hash_moe", import_config("llama", corpus, llama, variant="hash_moe"))
     return said
 
 
@@ -233,4 +249,5 @@ def test_bad_input_is_one_line(corpus, hf_dirs, tmp_path):
     assert "holds a GPT2LMHeadModel: the import takes LlamaForCausalLM, Qwen2ForCausalLM" in said["architecture"]
     assert "has hidden_size=64 where the run has model.hidden_size=128: set" in said["shape"]
     assert "model.hidden_size=64 model.ffn_hidden_size=96" in said["shape"]
+    assert "Hash-MoE's experts have no weights in it: import it as dense or as a STEM variant" in said["hash_moe"]
     assert re.search(r"has a tokenizer of 3\d\d ids, more than the model's vocab_size=300: ", said["tokenizer"])

@@ -108,7 +108,7 @@ def arch_from_hf(cfg: Mapping, name: str = "model", source: str = "") -> Arch:
 
 
 def arch_from_model_config(cfg: Mapping, name: str = "model", source: str = "") -> Arch:
-    """This repo's ``ModelConfig`` fields (recipes/model/*.yaml): untied embeddings, no biases."""
+    """This repo's ``ModelConfig`` fields (recipes/model/*.yaml): untied embeddings, no biases but ``qkv_bias``'s."""
     where = source or name
     for key in MODEL_CONFIG_FIELDS:
         _int_field(cfg, key, where)
@@ -120,7 +120,8 @@ def arch_from_model_config(cfg: Mapping, name: str = "model", source: str = "") 
         num_layers=cfg["num_layers"], num_attention_heads=heads,
         num_kv_heads=_int_field(cfg, "num_query_groups", where, required=False, default=heads),
         vocab_size=cfg["vocab_size"], head_dim=d // heads,
-        seq_length=_int_field(cfg, "seq_length", where, required=False), source=source,
+        seq_length=_int_field(cfg, "seq_length", where, required=False), qkv_bias=bool(cfg.get("qkv_bias", False)),
+        source=source,
     )
     return _check_heads(arch, "num_attention_heads", "num_query_groups", where)
 

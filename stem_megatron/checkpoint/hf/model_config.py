@@ -116,6 +116,9 @@ def check_hf_import(cfg: RunConfig) -> HFModel:
     ``data.dir`` was tokenized with."""
     hf = read_hf_model(cfg.checkpoint.init_from_hf)
     directory, m = hf.directory, cfg.model
+    if cfg.stem.variant == "hash_moe":
+        _fail(directory, "is a dense model, and Hash-MoE's experts have no weights in it: import it as dense or as a "
+                         "STEM variant (its planned layers converted)")
     mine = {k: getattr(m, k) for k in hf.fields}
     mine["num_query_groups"] = m.num_query_groups or m.num_attention_heads
     tp = cfg.parallel.tensor_model_parallel_size
