@@ -20,7 +20,8 @@ LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 50000.0, "factor": 8.0, "low
                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 ARCHS = {"llama": dict(vocab_size=VOCAB, rope_parameters=LLAMA3_ROPE, max_position_embeddings=16384,
                        tie_word_embeddings=False),
-         "qwen2": dict(vocab_size=VOCAB + 1, rope_theta=1000000.0, max_position_embeddings=64, tie_word_embeddings=True)}
+         "qwen2": dict(vocab_size=VOCAB + 1, rope_theta=1000000.0, max_position_embeddings=64,
+                       tie_word_embeddings=True)}
 THETA = {"llama": 50000, "qwen2": 1000000}
 
 

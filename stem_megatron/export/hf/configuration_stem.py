@@ -23,9 +23,9 @@ class StemConfig(PretrainedConfig):
 
     def __init__(self, vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=24,
                  num_attention_heads=16, num_key_value_heads=None, rms_norm_eps=1e-5, rope_theta=10000.0,
-                 max_position_embeddings=2048, attention_bias=False, rope_scaling_factor=None, stem_variant="stem", stem_layers=(), stem_tables_on_host=False,
-                 initializer_range=0.02, use_cache=True, bos_token_id=0, eos_token_id=0, pad_token_id=0,
-                 tie_word_embeddings=False, **kwargs):
+                 max_position_embeddings=2048, attention_bias=False, rope_scaling_factor=None, stem_variant="stem",
+                 stem_layers=(), stem_tables_on_host=False, initializer_range=0.02, use_cache=True, bos_token_id=0,
+                 eos_token_id=0, pad_token_id=0, tie_word_embeddings=False, **kwargs):
         if stem_variant not in STEM_VARIANTS:
             raise ValueError(f"stem_variant {stem_variant!r} is not one of {STEM_VARIANTS}")
         self.vocab_size = vocab_size
