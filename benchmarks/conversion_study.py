@@ -149,8 +149,8 @@ def report(results: dict, args, wall_s: float) -> str:
              f"A dense `tiny` model trained {args.steps} steps is exported to Hugging Face (`stem-export-hf`) and "
              "imported with `checkpoint.init_from_hf` as dense, as STEM-1/3 with the paper's table init (`scaled`) and "
              f"as STEM-1/3 `from_dense` (`U_l[t] = W_u E[x_l | t]`, {args.calibration_tokens:,} calibration tokens "
-             f"of the training mix), each continued {args.more} steps with a fresh optimizer and the recipe's schedule; "
-             f"against STEM-1/3 trained from scratch for the same {args.steps + args.more} steps. The study's data: "
+             f"of the training mix), each continued {args.more} steps with a fresh optimizer and the recipe's "
+             f"schedule; against STEM-1/3 trained from scratch for the same {args.steps + args.more} steps. The study's data: "
              f"python-doc with {args.facts_share}% synthetic facts, 16 x 128 tokens a step, seeds {seeds}. "
              "*After conversion*: the validation loss of the imported model before any update (one step at lr 0). "
              "Figures: mean [min, max] over the seeds.", "",
