@@ -58,6 +58,8 @@ QUICK = {
     "datasets alike on every rank": "test_data_pipeline.py::test_ranks_build_identical_datasets_from_one_cache",
     "SDPA attention over PP=2": "test_sdpa_attention.py::test_pipeline_parallel_losses_equal",
     "the export in transformers": "test_hf_export.py::test_transformers_runs_every_variant_as_stem_generate_does",
+    "a Hugging Face model imported at TP=2 x PP=2":
+        "test_hf_import.py::test_imported_models_give_transformers_logits_at_tp1_and_tp2_pp2",
     "generation with host rows": "test_generate.py::test_kv_cache_and_host_rows_equal_reference",
     "a row swap and its undo": "test_edit.py::test_swap_moves_stem_mlp_outputs_and_cli",
     "lm-eval's adapter": "test_eval.py::test_adapter_equals_model_log_softmax",

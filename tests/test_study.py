@@ -154,6 +154,7 @@ def _fake_run(run_dir, variant, seed, final, spikes=(), status="finished", ratio
 
 
 def test_report_tables_from_fabricated_runs(tmp_path):
+    from conversion_study import write_section
     from study_arms import ABLATION, arms
     from study_report import write_report
 
@@ -178,8 +179,15 @@ def test_report_tables_from_fabricated_runs(tmp_path):
              "facts_share": 30, "subjects": 20, "answers": 4, "repeats": 30, "overrides": [], "stress_lr": 1.5e-2,
              "wall_s": 60.0, "command": "python benchmarks/study.py"}
     report = tmp_path / "docs" / "results.md"
+    report.parent.mkdir()
+    report.write_text("an earlier report\n")
+    conversion = "<!-- conversion-study: begin -->\n## Dense to STEM conversion\n<!-- conversion-study: end -->"
+    write_section(report, conversion)  # benchmarks/conversion_study.py's section, which the main report keeps
     write_report(out, report, study)
     text = report.read_text()
+    assert "an earlier report" not in text and text.endswith("\n" + conversion + "\n")
+    write_section(report, conversion.replace("conversion\n", "conversion, again\n"))  # replaced in place
+    assert report.read_text() == text.replace("conversion\n", "conversion, again\n")
     assert "## How to run" in text and "- ablation: `python -m ... ablation`" in text
     assert "in 14 min of sweeps (main 3, ablation 8, stress 3)" in text  # 6, 16 and 6 runs, 30 s each
     assert "STEM-1/3 beats dense" in text and "(final_valid_loss: below) — **agrees** with the paper" in text
