@@ -120,7 +120,7 @@ def seed_runs(seed: int, args, env: dict, pool: ThreadPoolExecutor) -> dict:
     out["scratch"] = {"after_conversion": None, "valid": final_valid(args.out / tag / "scratch"),
                       "heldout": final["valid_nll"], "accuracy": final["valid_accuracy"],
                       "recall": final["fact_recall"], "flops": final["train_flops"]}
-    out["dense-600"] = {"after_conversion": None, "valid": final_valid(dense), "heldout": dense_eval["valid_nll"],
+    out["base"] = {"after_conversion": None, "valid": final_valid(dense), "heldout": dense_eval["valid_nll"],
                         "accuracy": dense_eval["valid_accuracy"], "recall": dense_eval["fact_recall"],
                         "flops": dense_eval["train_flops"]}
     return out
@@ -138,7 +138,7 @@ def percent(values) -> str:
 
 
 def report(results: dict, args, wall_s: float) -> str:
-    rows = {"dense-600": f"dense, {args.steps} steps (the model converted)",
+    rows = {"base": f"dense, {args.steps} steps (the model converted)",
             "dense": f"dense, + {args.more} steps", "stem-scaled": f"STEM-1/3 paper init, + {args.more} steps",
             "stem-from_dense": f"STEM-1/3 from_dense, + {args.more} steps",
             "scratch": f"STEM-1/3 from scratch, {args.steps + args.more} steps"}
@@ -187,15 +187,20 @@ def main(argv=None) -> None:
     p.add_argument("--eval-iters", type=int, default=4)
     p.add_argument("--valid-windows", type=int, default=200)
     p.add_argument("--facts-share", type=int, default=30)
+    # the reproduction study's facts (benchmarks/study.py): 400 subjects, 32 answers, each fact 60 times
+    p.add_argument("--subjects", type=int, default=400)
+    p.add_argument("--answers", type=int, default=32)
+    p.add_argument("--repeats", type=int, default=60)
+    p.add_argument("--facts-dir", type=Path, default=None, help="where the facts corpus is (default: --data-dir)")
     p.add_argument("--jobs", type=int, default=2, help="runs side by side")
     p.add_argument("--data-dir", type=Path, default=Path("data_cache/python-doc"))
     p.add_argument("--out", type=Path, default=Path("runs/conversion_study"))
     p.add_argument("--report", type=Path, default=Path("docs/results.md"))
     args = p.parse_args(argv)
     args.data_dir = args.data_dir.resolve()
-    args.facts = args.data_dir / "facts-400x32x60"  # the reproduction study's facts (benchmarks/study.py)
+    args.facts = (args.facts_dir or args.data_dir).resolve() / f"facts-{args.subjects}x{args.answers}x{args.repeats}"
     if not args.facts.with_suffix(".json").is_file():
-        build_facts(args.data_dir / "tokenizer.json", args.facts, 400, 32, 60)
+        build_facts(args.data_dir / "tokenizer.json", args.facts, args.subjects, args.answers, args.repeats)
     env = child_env(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONPATH=str(ROOT), HYDRA_FULL_ERROR="1")
     start = time.time()
     with ThreadPoolExecutor(args.jobs) as pool, ThreadPoolExecutor(len(args.seeds)) as seeds:

@@ -235,3 +235,30 @@ def test_study_runs_end_to_end_and_writes_its_report(tmp_path):
     again = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)  # finished runs are kept
     assert again.returncode == 0 and "[main] 2 runs done earlier" in again.stdout, again.stdout[-2000:]
     assert re.sub(r"\d+ min", "", report.read_text()) == re.sub(r"\d+ min", "", text)
+
+
+@pytest.mark.slow
+def test_conversion_study_runs_end_to_end_and_writes_its_section(tmp_path):
+    """benchmarks/conversion_study.py at its smallest (one seed, 4 + 2 steps): every run, the dense model exported
+    to Hugging Face and imported three ways, each scored, the section written into an existing report. The dense
+    import before any update is the exported model: its validation loss is the base run's last one, exactly."""
+    out, report = tmp_path / "conversion", tmp_path / "results.md"
+    report.write_text("# the main study's report\n")
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "conversion_study.py"), "--seeds", "1", "--steps", "4",
+           "--more", "2", "--calibration-tokens", "1024", "--eval-iters", "1", "--valid-windows", "4",
+           "--subjects", "20", "--answers", "4", "--repeats", "30", "--facts-dir", str(tmp_path),
+           "--out", str(out), "--report", str(report)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1200, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    results = json.loads((out / "results.json").read_text())["1"]
+    assert set(results) == {"base", "dense", "stem-scaled", "stem-from_dense", "scratch"}
+    assert results["dense"]["after_conversion"] == results["base"]["valid"]
+    for arm in ("stem-scaled", "stem-from_dense"):  # STEM-1/3 of 6 layers: 2 layers changed
+        assert results[arm]["after_conversion"] != results["base"]["valid"]
+    assert results["stem-from_dense"]["flops"] == results["base"]["flops"] + json.loads(
+        (out / "seed1" / "stem-from_dense" / "eval.json").read_text())["train_flops"]
+    text = report.read_text()
+    assert text.startswith("# the main study's report\n") and "## Dense to STEM conversion (issue 53)" in text
+    rows = [line for line in text.splitlines() if line.startswith("| ") and "steps" in line]
+    assert len(rows) == 5 and rows[-1].startswith("| STEM-1/3 from scratch, 6 steps | – |")
+    assert "(`stem-export-hf`)" in text and "--more" not in text
