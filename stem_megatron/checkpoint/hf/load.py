@@ -98,7 +98,8 @@ def _tables_from_dense(cfg: RunConfig, trainer, directory: Path, read: HFWeights
     planned = sorted({layer for mine in every for layer in mine})
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     means = mean_ffn_inputs(cfg, directory, planned, cfg.model.vocab_size, device)
-    tables = {layer: means[layer] @ read(f"model.layers.{layer}.mlp.up_proj.weight").float().t() for layer in layers}
+    up = {layer: read(f"model.layers.{layer}.mlp.up_proj.weight").to(device, torch.float32) for layer in layers}
+    tables = {layer: (means[layer] @ up[layer].t()).cpu() for layer in layers}  # V x d_ff: on the device, GPU or not
     if store is not None:
         store.load_tables({layer + 1: table for layer, table in tables.items()})
     for layer, param in device_tables.items():
