@@ -62,7 +62,7 @@ def _dense_model(directory: Path, device: torch.device):
 @torch.no_grad()
 def mean_ffn_inputs(cfg: RunConfig, directory: Path, layers: list[int], vocab_size: int,
                     device: torch.device) -> dict[int, torch.Tensor]:
-    """``{layer: E[x_l | t]}`` ([vocab_size, d], fp32, on the CPU) for 0-based ``layers`` of the dense model in
+    """``{layer: E[x_l | t]}`` ([vocab_size, d], fp32, on ``device``) for 0-based ``layers`` of the dense model in
     ``directory`` (collective over the world: every rank calls it with the same ``layers``)."""
     model = _dense_model(directory, device)
     d = model.config.hidden_size
@@ -104,5 +104,5 @@ def mean_ffn_inputs(cfg: RunConfig, directory: Path, layers: list[int], vocab_si
         overall = sums[layer].sum(0) / counts.sum().clamp(min=1)
         mean = sums[layer] / counts.clamp(min=1)[:, None]
         mean[counts == 0] = overall
-        means[layer] = mean.float().cpu()
+        means[layer] = mean.float()
     return means

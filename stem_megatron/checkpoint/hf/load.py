@@ -2,7 +2,7 @@
 TP/PP/DP layout (docs/checkpoints.md, "Hugging Face import").
 
 Every rank reads the tensors of its own stage from the safetensors shards (memory-mapped), fuses them into megatron's
-layout (``tensors.to_megatron``) and keeps its TP slice (``model.sharding.shard_of``), as the layout tests load one
+layout (``export.hf.tensors.to_megatron``) and keeps its TP slice (``model.sharding.shard_of``), as the layout tests load one
 process's weights. With a STEM variant the planned layers become STEM layers: ``W_g`` and ``W_d`` are the dense
 gate and down projections, the up-projection is dropped (kept as ``W_u`` by STEM† and the gate ablation), and
 ``U_l`` is drawn by ``stem.table_init`` as for a new run, or with ``from_dense`` computed from the dense model
@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from stem_megatron.checkpoint.hf.calibration import mean_ffn_inputs
 from stem_megatron.checkpoint.hf.model_config import read_hf_model
-from stem_megatron.checkpoint.hf.tensors import to_megatron
+from stem_megatron.export.hf.tensors import to_megatron
 from stem_megatron.config import ConfigError, RunConfig
 from stem_megatron.model.sharding import local_to_global, shard_of
 
@@ -98,7 +98,8 @@ def _tables_from_dense(cfg: RunConfig, trainer, directory: Path, read: HFWeights
     planned = sorted({layer for mine in every for layer in mine})
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     means = mean_ffn_inputs(cfg, directory, planned, cfg.model.vocab_size, device)
-    tables = {layer: means[layer] @ read(f"model.layers.{layer}.mlp.up_proj.weight").float().t() for layer in layers}
+    up = {layer: read(f"model.layers.{layer}.mlp.up_proj.weight").to(device, torch.float32) for layer in layers}
+    tables = {layer: (means[layer] @ up[layer].t()).cpu() for layer in layers}  # V x d_ff: on the device, GPU or not
     if store is not None:
         store.load_tables({layer + 1: table for layer, table in tables.items()})
     for layer, param in device_tables.items():

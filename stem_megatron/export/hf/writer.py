@@ -12,7 +12,7 @@ trust_remote_code=True)`` loads (docs/checkpoints.md, "Hugging Face export").
                                the tokenizer's in a padded vocabulary suppressed in generation, as stem-generate
                                never generates them
 
-megatron's fused projections are split on the way (``checkpoint.hf.tensors``, which the import reads with):
+megatron's fused projections are split on the way (``tensors``, which the import reads with too):
 ``linear_qkv`` (per query group: its query heads, then one key and one value head; its biases alike) into ``q_proj``,
 ``k_proj``, ``v_proj``; ``linear_fc1`` ([gate; up]) into ``gate_proj`` and ``up_proj``. A STEM layer keeps the
 paper's names: ``mlp.W_g``, ``mlp.W_u``, ``mlp.U_l``, ``mlp.W_d``.
@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from stem_megatron.checkpoint.hf.tensors import LAYER, PLAIN, TOP, split_fc1, split_qkv
+from stem_megatron.export.hf.tensors import LAYER, PLAIN, TOP, split_fc1, split_qkv
 from stem_megatron.config import RunConfig
 from stem_megatron.data.tokenizer import HFTokenizer
 from stem_megatron.durable import fsync_dir

@@ -1,10 +1,11 @@
-"""The single-process model's weights under transformers' Llama/Qwen2 names, both ways: the import reads a Hugging
-Face model with ``to_megatron``, the export (``export.hf.writer``) writes one with ``split_qkv`` and ``split_fc1``.
+"""The single-process model's weights under transformers' Llama/Qwen2 names, both ways: the export (``writer``) writes
+a Hugging Face model with ``split_qkv`` and ``split_fc1``, the import (``checkpoint.hf.load``) reads one with
+``to_megatron``. Torch only, like the rest of the format's code here.
 
 megatron fuses two projections a Llama keeps apart: ``linear_qkv`` holds, per query group, its query heads, then one
 key and one value head (weights and, with Qwen2's biases, biases alike); ``linear_fc1`` holds [gate; up]. A STEM
 layer takes the dense layer's gate and down projections as ``W_g`` and ``W_d`` (and its up-projection as ``W_u``
-where the variant keeps one); its ``U_l`` is not in a dense model (``checkpoint.hf.convert``).
+where the variant keeps one); its ``U_l`` is not in a dense model (``checkpoint.hf.calibration``).
 """
 
 from __future__ import annotations
