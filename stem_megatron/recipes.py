@@ -37,6 +37,8 @@ RECIPES = str(Path(__file__).resolve().parent.parent / "recipes")
 _IGNORED = {"train": ("log_interval", "exit_after_steps", "eval_interval", "eval_iters"),
             "stem": ("prefetch_depth", "cache_rows", "shm_dir", "host_memory_gib", "overlap_exchange",
                      "overlap_update", "resident_rows")}
+# fields added since runs were first named (issue 53), left out at their defaults: a run keeps its directory
+_ADDED = {"model": {"qkv_bias": False, "rope_scaling_factor": None}, "stem": {"calibration_tokens": None}}
 
 
 def _multirun() -> bool:
@@ -44,7 +46,8 @@ def _multirun() -> bool:
 
 
 def run_dir(base: str, _root_: DictConfig) -> str:
-    """``<base>-<digest of model, stem, host_tables, hash_moe, parallel, train, data, checkpoint.init_from>``; in a
+    """``<base>-<digest of model, stem, host_tables, hash_moe, parallel, train, data, checkpoint.init_from and
+    init_from_hf>``; in a
     sweep, the job's own directory under the sweep's (``hydra.sweep.dir/hydra.sweep.subdir``)."""
     if _multirun():
         return HydraConfig.get().runtime.output_dir
@@ -54,7 +57,13 @@ def run_dir(base: str, _root_: DictConfig) -> str:
     for key, fields in _IGNORED.items():
         for name in fields:
             identity[key].pop(name, None)
+    for key, fields in _ADDED.items():
+        for name, default in fields.items():
+            if identity[key].get(name) == default:
+                del identity[key][name]
     identity["init_from"] = _root_.checkpoint.init_from
+    if _root_.checkpoint.init_from_hf:  # (issue 53) only when set, as the fields above
+        identity["init_from_hf"] = _root_.checkpoint.init_from_hf
     digest = hashlib.sha1(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:8]
     return f"{base}-{digest}"
 

@@ -40,3 +40,19 @@ def test_a_sweep_after_the_demo_starts_every_job_from_step_one(corpus, tmp_path)
     assert all(_first_steps(job) == [1] for job in jobs)
     again = _stem_train(tmp_path, *SMALL, data, nproc=2)
     assert f"resumed from {demo_dir.relative_to(tmp_path)}/checkpoints/step_000003 after step 3" in again
+
+
+def test_fields_added_since_keep_a_runs_directory_and_a_hf_start_gets_its_own():
+    """The fields issue 53 added (``model.qkv_bias``, ``model.rope_scaling_factor``, ``stem.calibration_tokens``) at
+    their defaults leave a run the directory it had before them (the names below, from the version before), so the
+    same command still resumes it; set, as a run started from a Hugging Face model, they name another."""
+    from stem_megatron.recipes import compose_run
+
+    before = {(): "runs/tiny-stem-1_3-48c69674", ("variant=dense", "parallel=single"): "runs/tiny-dense-0-b64bd457",
+              ("checkpoint.init_from=/x",): "runs/tiny-stem-1_3-063ac017"}
+    for overrides, out_dir in before.items():
+        assert compose_run(list(overrides)).out_dir == out_dir
+    others = {compose_run([override]).out_dir for override in
+              ("checkpoint.init_from_hf=/x", "checkpoint.init_from_hf=/y", "model.qkv_bias=true",
+               "stem.calibration_tokens=1000")}
+    assert len(others) == 4 and not others & set(before.values())
