@@ -91,11 +91,38 @@ def _reference(hf_dir, tokens):
         return AutoModelForCausalLM.from_pretrained(hf_dir).eval()(input_ids=tokens).logits
 
 
-@pytest.mark.slow
-def test_imported_models_give_transformers_logits_at_tp1_and_tp2_pp2(corpus, hf_dirs, tmp_path):
+def _at_dp2(corpus, hf_dirs, tokens):
+    """TP=1, DP=2: both models' logits, then the Llama as STEM-1/3 with ``from_dense`` host tables."""
+    return {"logits": _dense_at_layout(corpus, hf_dirs, tokens, 1, 1, None),
+            "converted": _converted(corpus, hf_dirs["llama"], "host")}
+
+
+def _in_one_process(corpus, llama, exports, out):
+    """One process: the TP=2 x PP=2 exports to Hugging Face, then the Llama as STEM-1/3 with a ``from_dense`` device
+    table."""
+    from stem_megatron.export.hf.writer import export_hf
+
+    for export in sorted(exports.iterdir()):
+        export_hf(export, out / export.name)
+    return _converted(corpus, llama, "device")
+
+
+@pytest.fixture(scope="module")
+def imported(corpus, hf_dirs, tmp_path_factory):
+    """The module's three worlds (each a process launch), which both slow tests read: DP=2, TP=2 x PP=2, one
+    process."""
+    tmp = tmp_path_factory.mktemp("imported")
     tokens = torch.randint(0, 400, (2, 32), generator=torch.Generator().manual_seed(0))
-    at_tp1 = distributed.run(_dense_at_layout, 2, corpus, hf_dirs, tokens, 1, 1, None)  # DP=2
-    at_tp2_pp2 = distributed.run(_dense_at_layout, 4, corpus, hf_dirs, tokens, 2, 2, tmp_path / "export", tp=2, pp=2)
+    at_dp2 = distributed.run(_at_dp2, 2, corpus, hf_dirs, tokens)
+    at_tp2_pp2 = distributed.run(_dense_at_layout, 4, corpus, hf_dirs, tokens, 2, 2, tmp / "export", tp=2, pp=2)
+    (device,) = distributed.run(_in_one_process, 1, corpus, hf_dirs["llama"], tmp / "export", tmp / "hf")
+    return {"tokens": tokens, "tp1": [r["logits"] for r in at_dp2], "tp2_pp2": at_tp2_pp2, "hf": tmp / "hf",
+            "host": at_dp2[0]["converted"], "device": device}
+
+
+@pytest.mark.slow
+def test_imported_models_give_transformers_logits_at_tp1_and_tp2_pp2(hf_dirs, imported):
+    tokens, at_tp1, at_tp2_pp2 = imported["tokens"], imported["tp1"], imported["tp2_pp2"]
     for arch, hf_dir in hf_dirs.items():
         ref = _reference(hf_dir, tokens)
         vocab = ARCHS[arch]["vocab_size"]
@@ -107,16 +134,8 @@ def test_imported_models_give_transformers_logits_at_tp1_and_tp2_pp2(corpus, hf_
                 assert ours.shape[-1] >= vocab
                 err = (ours[..., :vocab] - ref).abs().max() / scale
                 assert err <= BOUND, (arch, name, float(err))
-    distributed.run(_to_hf, 1, tmp_path / "export", tmp_path / "hf")
-    _exported_tensors_are_the_imported_ones(hf_dirs["llama"], tmp_path / "hf" / "llama")
-    _exported_qwen2_gives_transformers_logits(hf_dirs["qwen2"], tmp_path / "hf" / "qwen2", tokens)
-
-
-def _to_hf(exports, out):
-    from stem_megatron.export.hf.writer import export_hf
-
-    for export in sorted(exports.iterdir()):
-        export_hf(export, out / export.name)
+    _exported_tensors_are_the_imported_ones(hf_dirs["llama"], imported["hf"] / "llama")
+    _exported_qwen2_gives_transformers_logits(hf_dirs["qwen2"], imported["hf"] / "qwen2", tokens)
 
 
 def _exported_tensors_are_the_imported_ones(hf_dir, back_dir) -> None:
@@ -148,7 +167,7 @@ def _exported_qwen2_gives_transformers_logits(hf_dir, back_dir, tokens) -> None:
 
 
 def _converted(corpus, hf_dir, placement):
-    """A dense Llama imported as STEM-1/3 (layer 3 of 4... by the plan) with ``from_dense`` tables: the tables and the
+    """A dense Llama imported as STEM-1/3 (its layer 3 of 4, by the plan) with ``from_dense`` tables: the tables and the
     STEM layers' dense weights."""
     from stem_megatron.config import HostTablesConfig
 
@@ -194,11 +213,10 @@ def _plain_from_dense(corpus, hf_dir, layers):
 
 
 @pytest.mark.slow
-def test_a_dense_model_becomes_stem_with_tables_from_dense(corpus, hf_dirs):
+def test_a_dense_model_becomes_stem_with_tables_from_dense(corpus, hf_dirs, imported):
     """Host tables at DP=2 (the calibration windows split over the ranks, the sums all-reduced) and a device table
     in one process give the plain loop's tables; ``W_g``/``W_d`` are the dense gate and down projections."""
-    (host, _) = distributed.run(_converted, 2, corpus, hf_dirs["llama"], "host")
-    (device,) = distributed.run(_converted, 1, corpus, hf_dirs["llama"], "device")
+    host, device = imported["host"], imported["device"]
     want, mlps = _plain_from_dense(corpus, hf_dirs["llama"], sorted(host["tables"]))
     assert sorted(host["tables"]) == sorted(device["tables"]) == [3]  # STEM-1/3 of 4 layers: the plan's layer
     for got in (host, device):

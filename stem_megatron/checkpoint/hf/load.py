@@ -20,8 +20,9 @@ import torch.distributed as dist
 
 from stem_megatron.checkpoint.hf.calibration import mean_ffn_inputs
 from stem_megatron.checkpoint.hf.model_config import read_hf_model
-from stem_megatron.export.hf.tensors import to_megatron
 from stem_megatron.config import ConfigError, RunConfig
+from stem_megatron.export.hf.tensors import to_megatron
+from stem_megatron.layer_plan import planned_layers
 from stem_megatron.model.sharding import local_to_global, shard_of
 
 
@@ -92,10 +93,8 @@ def _tables_from_dense(cfg: RunConfig, trainer, directory: Path, read: HFWeights
     """``U_l[t] = W_u E[x_l | t]`` into every STEM table of this stage (``calibration``)."""
     store, device_tables = trainer.store, _stem_tables(trainer)
     layers = [layer - 1 for layer in store.layers] if store is not None else sorted(device_tables)
-    # every rank takes part in the calibration pass (its collectives), also a stage with no STEM layer
-    every = [None] * dist.get_world_size()
-    dist.all_gather_object(every, layers)
-    planned = sorted({layer for mine in every for layer in mine})
+    # every rank takes part in the pass over every STEM layer (its all-reduces), also a stage with none of them
+    planned = planned_layers(cfg.model.num_layers, cfg.stem)
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     means = mean_ffn_inputs(cfg, directory, planned, cfg.model.vocab_size, device)
     up = {layer: read(f"model.layers.{layer}.mlp.up_proj.weight").to(device, torch.float32) for layer in layers}

@@ -27,11 +27,11 @@ from pathlib import Path
 
 import torch
 
-from stem_megatron.export.hf.tensors import LAYER, PLAIN, TOP, split_fc1, split_qkv
 from stem_megatron.config import RunConfig
 from stem_megatron.data.tokenizer import HFTokenizer
 from stem_megatron.durable import fsync_dir
 from stem_megatron.export.format import ExportError, read_export
+from stem_megatron.export.hf.tensors import LAYER, PLAIN, TOP, split_fc1, split_qkv
 
 MODEL_FILES = ("configuration_stem.py", "modeling_stem.py")
 HERE = Path(__file__).resolve().parent
