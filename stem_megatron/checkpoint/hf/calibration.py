@@ -82,7 +82,7 @@ def mean_ffn_inputs(cfg: RunConfig, directory: Path, layers: list[int], vocab_si
         tokens = torch.from_numpy(np.stack(batch)).to(device)
         ids[:] = [tokens.reshape(-1)]
         counts.index_add_(0, ids[0], torch.ones(ids[0].numel(), dtype=torch.float64, device=device))
-        model(input_ids=tokens, use_cache=False)
+        model.model(input_ids=tokens, use_cache=False)  # the decoder: the LM head's logits are not needed
         batch.clear()
 
     rank, world = dist.get_rank(), dist.get_world_size()
