@@ -1,8 +1,6 @@
 # Entry points for a fresh machine (see README). `make demo` trains; `make test` runs every test; `make test-quick`
 # the inner loop's tier (docs/testing.md).
 VENV ?= .venv
-# one DeepSpeed op build per venv (a shared ~/.cache build is rebuilt whenever venvs alternate)
-export TORCH_EXTENSIONS_DIR ?= $(abspath $(VENV))/torch_extensions
 NPROC ?= 2
 
 .PHONY: setup demo test test-quick bench wheelhouse gpu-check

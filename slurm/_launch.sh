@@ -70,8 +70,8 @@ if [ -z "${GLOO_SOCKET_IFNAME:-}" ] && [ -n "${NCCL_SOCKET_IFNAME:-}" ]; then
   fi
 fi
 export PYTHONUNBUFFERED=1
-# JIT-built ops (DeepSpeed's CPU Adam for the host tables) per venv, not the shared ~/.cache/torch_extensions:
-# two checkouts (venvs) sharing that cache rebuild the op on every switch, minutes each time.
+# JIT-built ops (DeepSpeed's CPU Adam for the host tables) per venv, where the package builds and finds them
+# (row_optimizer.extensions_root), named here for the lock clean-up below.
 export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$VENV/torch_extensions}
 # A job killed while such an op compiles (requeue, scancel, time limit) leaves the build's lock file behind
 # and every later run waits on it forever: drop locks older than 30 minutes (a build takes a few).

@@ -175,7 +175,7 @@ def test_flags_are_detected_once_a_kind_of_cpu_and_are_deepspeeds(adam, tmp_path
 
     from stem_megatron.host_tables import row_optimizer as row_adam
 
-    kept = json.loads((row_adam._extensions_root() / "stem_row_adam_cxx_args.json").read_text())
+    kept = json.loads((row_adam.extensions_root() / "stem_row_adam_cxx_args.json").read_text())
     assert kept[row_adam._cpu_key()] == CPUAdamBuilder().cxx_args()  # the fixture's op loaded with them
     flags, calls = ["-march=native", "-D__AVX256__"], []
 
@@ -191,3 +191,21 @@ def test_flags_are_detected_once_a_kind_of_cpu_and_are_deepspeeds(adam, tmp_path
     path.write_text(json.dumps(other))
     assert row_adam.cached_cxx_args(tmp_path, detect) == flags and len(calls) == 2
     assert json.loads(path.read_text()) == {**other, row_adam._cpu_key(): flags}
+
+
+def test_the_op_is_built_in_the_venv_without_the_makefile(monkeypatch):
+    """A script run directly (``tools/gpu_check.py``, ``benchmarks/gpu_step.py``: no Makefile, no SLURM script to
+    set ``TORCH_EXTENSIONS_DIR``) finds the op `make setup` built in the venv, not torch's ``~/.cache`` default, where
+    it would be rebuilt; a set ``TORCH_EXTENSIONS_DIR`` still wins, and the processes the op's loader starts see it."""
+    import os
+    import sys
+    from pathlib import Path
+
+    from stem_megatron.host_tables import row_optimizer as row_adam
+
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
+    assert row_adam.extensions_root() == Path(sys.prefix) / "torch_extensions"
+    RowAdam((0.9, 0.95), 1e-8, 0.0)
+    assert os.environ["TORCH_EXTENSIONS_DIR"] == str(Path(sys.prefix) / "torch_extensions")
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", "/elsewhere")
+    assert row_adam.extensions_root() == Path("/elsewhere")

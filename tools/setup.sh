@@ -132,9 +132,8 @@ else
   $PIP install "torch==$TORCH_VERSION" ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"} && $PIP install -e '.[dev]'
 fi
 
-# DeepSpeed's CPU Adam (the host tables' optimizer) compiles on first use, for minutes: build it now, where the
-# Makefile and slurm/_launch.sh look for it
-export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$(cd "$VENV" && pwd)/torch_extensions}
+# DeepSpeed's CPU Adam (the host tables' optimizer) compiles on first use, for minutes: build it now, into the venv's
+# torch_extensions, where every process of the venv looks for it (row_optimizer.extensions_root)
 "$VENV/bin/python" -W ignore -c 'from stem_megatron.host_tables.row_optimizer import RowAdam; RowAdam((0.9, 0.95), 1e-8, 0)'
 
 if $demo_corpus; then

@@ -3,7 +3,6 @@ adds the generic fix to any other error). GPU items report ``skipped: no GPU`` o
 
 from __future__ import annotations
 
-import os
 import shutil
 from typing import Sequence
 
@@ -67,10 +66,10 @@ def check_transformer_engine() -> tuple[str, str]:
 
 
 def check_cpu_adam() -> tuple[str, str]:
-    from stem_megatron.host_tables.row_optimizer import RowAdam
+    from stem_megatron.host_tables.row_optimizer import RowAdam, extensions_root
 
     RowAdam((0.9, 0.95), 1e-8, 0.0)  # loads the op as training does, building it on first use
-    return OK, f"loads (built in {os.environ.get('TORCH_EXTENSIONS_DIR', '~/.cache/torch_extensions')})"
+    return OK, f"loads (built in {extensions_root()})"
 
 
 def check_pinned_memory() -> tuple[str, str]:

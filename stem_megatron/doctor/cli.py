@@ -6,7 +6,6 @@ FAIL keeps the training checks from running. See docs/gpu.md."""
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 import sys
 import tempfile
@@ -33,8 +32,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
     args = build_parser().parse_args(argv)
-    # the venv's op build, as the Makefile and slurm/_launch.sh use (not the ~/.cache one other venvs share)
-    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))
     from stem_megatron.doctor import checks, training
     from stem_megatron.doctor.cuda import gpu_count
 

@@ -22,6 +22,7 @@ import itertools
 import json
 import os
 import platform
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -38,7 +39,8 @@ _SOURCE = Path(__file__).parent / "csrc" / "row_adam.cpp"
 
 def _kernel():
     """DeepSpeed's CPU Adam plus our row-indexed update, built by DeepSpeed's op builder (its flags and
-    SIMD width detection) into TORCH_EXTENSIONS_DIR on first use."""
+    SIMD width detection) into ``extensions_root()`` on first use."""
+    os.environ["TORCH_EXTENSIONS_DIR"] = str(extensions_root())  # torch's loader, and every process started after
     if not torch.cuda.is_available():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     from deepspeed.ops.op_builder import CPUAdamBuilder
@@ -56,15 +58,17 @@ def _kernel():
             return ["csrc/includes", "csrc/adam"]
 
         def cxx_args(self):
-            return cached_cxx_args(_extensions_root(), super().cxx_args)
+            return cached_cxx_args(extensions_root(), super().cxx_args)
 
     return RowAdamBuilder().load()
 
 
-def _extensions_root() -> Path:
-    from torch.utils.cpp_extension import get_default_build_root
-
-    return Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root())
+def extensions_root() -> Path:
+    """Where the op is built and found: ``TORCH_EXTENSIONS_DIR`` when set, else the venv's own ``torch_extensions``
+    (one build per venv, which `make setup` made). torch's default, ``~/.cache/torch_extensions``, is shared by every
+    venv of the user, so a script run directly from another venv (or a node whose home is elsewhere) would rebuild
+    the op there: about a minute of a GPU node's 16 cores."""
+    return Path(os.environ.get("TORCH_EXTENSIONS_DIR") or Path(sys.prefix) / "torch_extensions")
 
 
 def _cpu_key() -> str | None:
