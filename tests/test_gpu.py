@@ -180,12 +180,12 @@ def test_pinned_blocks_are_what_the_memory_plan_counts(gpu_env):
     its 1.61 GB, and an odd small request its power of two (the first-contact review's ``probe_layer`` (d))."""
     script = """
 import torch
-from stem_megatron.host_tables.transfer import pinned_block_bytes, working_set_bytes
+from stem_megatron.host_tables.transfer import pinned_block_bytes, pinned_pool_bytes, working_set_bytes
 held = []
 for nbytes in (3 * 2**20 + 1, working_set_bytes(16384, 8192, 4096)[0]):
-    before = torch.cuda.host_memory_stats()["allocated_bytes.current"]
+    before = pinned_pool_bytes()
     held.append(torch.empty(nbytes, dtype=torch.uint8, pin_memory=True))
-    grown = torch.cuda.host_memory_stats()["allocated_bytes.current"] - before
+    grown = pinned_pool_bytes() - before
     assert grown == pinned_block_bytes(nbytes), (nbytes, grown, pinned_block_bytes(nbytes))
 print("as planned")
 """

@@ -550,3 +550,25 @@ def test_the_cpu_adam_thread_runs_on_the_ranks_device(monkeypatch):
     updates = RowUpdates(False, 1, torch.device("cuda", 3))
     updates.now(lambda: None)
     assert [(name.split("_")[0], device) for name, device in calls] == [("stem-adam", torch.device("cuda", 3))]
+
+
+def test_the_pinned_pool_is_read_after_cuda_is_initialised(monkeypatch):
+    """torch reports the host allocator's statistics as ``{}`` until CUDA is initialised: a GPU test reading them
+    first in its process would fail with a KeyError, not on what it checks. A stand-in for that torch."""
+    from stem_megatron.host_tables.transfer import pinned_pool_bytes
+
+    initialised = []
+    monkeypatch.setattr(torch.cuda, "init", lambda: initialised.append(True))
+    monkeypatch.setattr(torch.cuda, "host_memory_stats",
+                        lambda: {"allocated_bytes.current": 4096} if initialised else {})
+    assert pinned_pool_bytes() == 4096
+
+
+def test_no_process_is_forked_from_a_rank_whose_cuda_is_up(monkeypatch):
+    """megatron's checkpoint writer returns its results through a manager process made at the first save: forked on
+    the CPU (it has torch already), spawned once CUDA is initialised, since CUDA does not support a forked child."""
+    from stem_megatron.checkpoint import dense
+
+    assert dense.results_manager_start() == "fork"  # this process never initialises CUDA
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    assert dense.results_manager_start() == "spawn"

@@ -37,15 +37,21 @@ def _sharded(model, optimizer, is_loading: bool) -> dict:
                 "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=METADATA)}
 
 
+def results_manager_start() -> str:
+    """How megatron's writer starts the manager process that returns its results, made at a rank's first save.
+    Spawned (megatron's default), it imports torch to unpickle the first result: ~2 s of a 2-rank CPU run's first save
+    (2.3 s, 0.4 s forked). Forked, it has torch already; but CUDA does not support a forked child of a process whose
+    CUDA context is up (the child inherits the context's handles and pinned mappings), so a rank that initialised
+    CUDA spawns it: once a run, beside minutes of GPU steps."""
+    return "spawn" if torch.cuda.is_initialized() else "fork"
+
+
 def save(model, optimizer, directory: Path) -> None:
     """Write this rank's shards of the weights and optimizer state (collective; the DP group all-gathers
     the optimizer state first)."""
     Path(directory).mkdir(exist_ok=True)
     current_weights(model)
-    # megatron's writer returns its results through a manager process made at a rank's first save. Spawned (its
-    # default), that process imports torch to unpickle the first result: ~2 s of a 2-rank CPU run's first save (2.3 s,
-    # 0.4 s forked), more beside a GPU's libraries. Forked, it has torch already; it only unpickles and queues
-    get_write_results_queue("fork")
+    get_write_results_queue(results_manager_start())
     dist_checkpointing.save(_sharded(model, optimizer, is_loading=False), str(directory),
                             content_metadata=METADATA)
 

@@ -193,6 +193,13 @@ def pinned_block_bytes(nbytes: int) -> int:
     return 1 << (nbytes - 1).bit_length() if nbytes > 0 else 0
 
 
+def pinned_pool_bytes() -> int:
+    """The bytes torch's CachingHostAllocator holds now (what ``pinned_block_bytes`` predicts it grows by). torch
+    reports no statistics (``{}``) until CUDA is initialised, so it is initialised first."""
+    torch.cuda.init()
+    return torch.cuda.host_memory_stats()["allocated_bytes.current"]
+
+
 SCRATCH_BYTES = 4 << 20  # a fetching thread's reused buffer for rows narrowed on the way (fits in L2/L3)
 
 
