@@ -196,7 +196,8 @@ def test_flags_are_detected_once_a_kind_of_cpu_and_are_deepspeeds(adam, tmp_path
 def test_the_op_is_built_in_the_venv_without_the_makefile(monkeypatch):
     """A script run directly (``tools/gpu_check.py``, ``benchmarks/gpu_step.py``: no Makefile, no SLURM script to
     set ``TORCH_EXTENSIONS_DIR``) finds the op `make setup` built in the venv, not torch's ``~/.cache`` default, where
-    it would be rebuilt; a set ``TORCH_EXTENSIONS_DIR`` still wins, and the processes the op's loader starts see it."""
+    it would be rebuilt; a set ``TORCH_EXTENSIONS_DIR`` still wins, and the processes the op's loader starts see it,
+    with the venv's ``ninja`` on their PATH."""
     import os
     import sys
     from pathlib import Path
@@ -204,8 +205,10 @@ def test_the_op_is_built_in_the_venv_without_the_makefile(monkeypatch):
     from stem_megatron.host_tables import row_optimizer as row_adam
 
     monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")  # the venv not activated: its ninja is off PATH
     assert row_adam.extensions_root() == Path(sys.prefix) / "torch_extensions"
     RowAdam((0.9, 0.95), 1e-8, 0.0)
     assert os.environ["TORCH_EXTENSIONS_DIR"] == str(Path(sys.prefix) / "torch_extensions")
+    assert os.environ["PATH"].split(os.pathsep)[0] == str(Path(sys.executable).parent)  # where torch finds ninja
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", "/elsewhere")
     assert row_adam.extensions_root() == Path("/elsewhere")

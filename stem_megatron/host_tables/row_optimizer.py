@@ -41,6 +41,11 @@ def _kernel():
     """DeepSpeed's CPU Adam plus our row-indexed update, built by DeepSpeed's op builder (its flags and
     SIMD width detection) into ``extensions_root()`` on first use."""
     os.environ["TORCH_EXTENSIONS_DIR"] = str(extensions_root())  # torch's loader, and every process started after
+    # torch runs `ninja` from PATH; pip installs it beside the venv's Python, off PATH when a script runs without the
+    # venv activated (.venv/bin/python tools/gpu_check.py)
+    here = str(Path(sys.executable).parent)
+    if here not in os.environ.get("PATH", "").split(os.pathsep):
+        os.environ["PATH"] = os.pathsep.join([here, *filter(None, [os.environ.get("PATH")])])
     if not torch.cuda.is_available():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     from deepspeed.ops.op_builder import CPUAdamBuilder
