@@ -8,12 +8,13 @@ setup:
 	bash tools/setup.sh
 
 # the wheels an offline GPU node needs, built here for its Python and platform (docs/gpu.md, Offline GPU nodes);
-# TARGET_FREEZE: `python3 -m pip list --format=freeze` there; then `make setup PYTHON=... WHEELHOUSE=DIR` there
+# TARGET_FREEZE: `python3 -m pip list --format=freeze` there; then `make setup PYTHON=... WHEELHOUSE=DIR` there;
+# EXTRAS: pyproject's extras beside the core (default test,hf; test,hf,eval adds lm-eval)
 TARGET_PYTHON ?= 3.12
 TARGET_PLATFORM ?= manylinux_2_28_x86_64
 wheelhouse:
 	$(or $(PYTHON),python3) tools/wheelhouse.py --wheelhouse "$(WHEELHOUSE)" --freeze "$(TARGET_FREEZE)" \
-	  --python-version $(TARGET_PYTHON) --platform $(TARGET_PLATFORM)
+	  --python-version $(TARGET_PYTHON) --platform $(TARGET_PLATFORM) $(if $(EXTRAS),--extras $(EXTRAS))
 
 # the demo trains from step 1 every time (runs resume from their checkpoints by default); one OpenMP thread per
 # process unless set, as torchrun would choose (and then print a banner about)

@@ -87,6 +87,16 @@ def test_a_freeze_with_urls_names_the_command_that_writes_versions(tmp_path):
     assert wheelhouse.read_freeze(freeze) == {"torch": "2.11.0+cu130", "typing-extensions": "4.16.0"}
 
 
+def test_the_wheelhouse_carries_the_hugging_face_paths_and_names_an_unknown_extra():
+    """By default the wheelhouse holds what the Hugging Face import, export and calibration need (the hf extra:
+    transformers) beside pytest; lm-eval (eval) only when asked, its datasets and pyarrow being ~150 MiB."""
+    names = {canonical(Requirement(r).name) for r in wheelhouse.requirements()}
+    assert {"transformers", "accelerate", "pytest", "megatron-core"} <= names and "lm-eval" not in names
+    assert "lm-eval" in {canonical(Requirement(r).name) for r in wheelhouse.requirements(("test", "hf", "eval"))}
+    with pytest.raises(wheelhouse.Failed, match="no extra hf2 in pyproject.toml: EXTRAS takes .*eval.*hf"):
+        wheelhouse.requirements(("test", "hf2"))
+
+
 @pytest.mark.slow
 def test_offline_setup_reuses_the_nodes_torch(tmp_path):
     python = node_python(tmp_path / "node")
@@ -107,7 +117,7 @@ def test_offline_setup_reuses_the_nodes_torch(tmp_path):
     assert size < CARRY_LIMIT, f"{size / 2**20:.1f} MiB"
     names = {canonical(w.name.split("-")[0]) for w in wheels}
     assert not names & set(node), names & set(node)  # nothing the node has (torch, its CUDA libraries, numpy, ...)
-    assert {"megatron-core", "deepspeed", "hydra-core", "antlr4-python3-runtime"} <= names
+    assert {"megatron-core", "deepspeed", "hydra-core", "antlr4-python3-runtime", "transformers", "safetensors"} <= names
     for built in ("deepspeed-0.19.8-py3-none-any.whl", "antlr4_python3_runtime-4.9.3-py3-none-any.whl"):
         assert (house / built).is_file(), built  # PyPI has sdists only: built here, pure Python
     assert f"{len(wheels)} wheels, {size / 2**20:.1f} MiB" in proc.stdout
@@ -124,7 +134,7 @@ def test_offline_setup_reuses_the_nodes_torch(tmp_path):
     assert (venv / "constraints.txt").read_text() == f"torch=={node['torch']}\n"
 
     proc = subprocess.run([str(venv / "bin" / "python"), "-W", "ignore", "-c", """
-import json, torch, megatron.core, deepspeed, hydra
+import json, torch, megatron.core, deepspeed, hydra, transformers, safetensors
 from importlib import metadata
 from stem_megatron.host_tables.row_optimizer import RowAdam
 RowAdam((0.9, 0.95), 1e-8, 0)

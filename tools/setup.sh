@@ -9,7 +9,7 @@
 # A PYTHON that already has torch (an NGC container's, a prepared venv such as /opt/torch/.venv): the venv is made on
 # top of its packages and reuses its torch, Transformer Engine and Apex, pinned for every pip call, never installed.
 # WHEELHOUSE=DIR (built by `make wheelhouse` on a machine with a registry): installs offline, from DIR alone, the
-# core requirements and pytest (docs/gpu.md, Offline GPU nodes).
+# core requirements and the extras it was built with (pytest, transformers; docs/gpu.md, Offline GPU nodes).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
@@ -108,10 +108,12 @@ index=(); [ -z "$WHEELHOUSE" ] || index=(--no-index --find-links "$WHEELHOUSE")
 pins=(); ! $layered || pins=(-c "$constraints")
 pip_install() { $PIP install "${index[@]}" "${pins[@]}" "$@"; }
 if [ -n "$WHEELHOUSE" ]; then
-  # offline: the core requirements and pytest, whatever the environment lacks coming from the wheelhouse (torch too
-  # where the environment has none); the editable build uses the setuptools there, as pip cannot fetch one
+  # offline: the core requirements and the extras the wheelhouse was built with (wheelhouse.txt), whatever the
+  # environment lacks coming from the wheelhouse (torch too where the environment has none); the editable build uses
+  # the setuptools there, as pip cannot fetch one
+  extras=$(sed -n 's/^# extras: //p' "$WHEELHOUSE/wheelhouse.txt"); extras=${extras:-test}
   pip_install 'setuptools>=68'
-  pip_install --no-build-isolation -e '.[test]'
+  pip_install --no-build-isolation -e ".[$extras]"
 elif $layered; then
   pip_install -e '.[dev]'
 elif [ "$device" = gpu ]; then

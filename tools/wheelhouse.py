@@ -40,13 +40,21 @@ class Failed(Exception):
     """One line naming what went wrong and its fix."""
 
 
-def requirements() -> list[str]:
-    """What `make setup WHEELHOUSE=DIR` installs: the core requirements and the test extra (pytest), and the
-    build system's (setuptools: the editable install builds without isolation, offline)."""
+EXTRAS = ("test", "hf")  # pytest; the Hugging Face import, export and calibration (transformers): ~17 MiB
+EXTRAS_LINE = "# extras: "  # wheelhouse.txt's line that tells setup which extras it holds
+
+
+def requirements(extras: tuple[str, ...] = EXTRAS) -> list[str]:
+    """What `make setup WHEELHOUSE=DIR` installs: the core requirements, ``extras`` (pyproject.toml's), and the build
+    system's (setuptools: the editable install builds without isolation, offline)."""
     import tomllib  # Python >= 3.11, checked in main
 
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    return [*project["project"]["dependencies"], *project["project"]["optional-dependencies"]["test"],
+    optional = project["project"]["optional-dependencies"]
+    unknown = sorted(set(extras) - set(optional))
+    if unknown:
+        raise Failed(f"no extra {', '.join(unknown)} in pyproject.toml: EXTRAS takes {', '.join(sorted(optional))}")
+    return [*project["project"]["dependencies"], *(r for extra in extras for r in optional[extra]),
             *project["build-system"]["requires"]]
 
 
@@ -120,13 +128,14 @@ def node_venv(workdir: Path, python: str, node: dict[str, str]) -> Path:
     return venv / "bin" / "python"
 
 
-def resolve(python: Path, wheelhouse: Path, target: list[str], pins: Path, report: Path) -> list[dict]:
+def resolve(python: Path, wheelhouse: Path, target: list[str], pins: Path, report: Path,
+            extras: tuple[str, ...]) -> list[dict]:
     """What pip would install on the node. First for this machine's platform, sdists allowed: the requirements
     that have only an sdist are built into the wheelhouse (a wheel there from an earlier run is found instead);
     then for the node's, wheels only."""
     def dry_run(*restrict: str) -> list[dict]:
         proc = pip(python, "install", "--dry-run", "-q", "--report", str(report), *restrict, "-c", str(pins),
-                   "--find-links", str(wheelhouse), *requirements())
+                   "--find-links", str(wheelhouse), *requirements(extras))
         if proc.returncode:
             raise Failed(f"pip cannot resolve for the node: {pip_error(proc)}")
         return json.loads(report.read_text())["install"]
@@ -165,7 +174,7 @@ def fetch(python: Path, plan: list[dict], wheelhouse: Path, target: list[str]) -
     return wanted
 
 
-def build(wheelhouse: Path, freeze: Path, python_version: str, platform: str) -> str:
+def build(wheelhouse: Path, freeze: Path, python_version: str, platform: str, extras: tuple[str, ...] = EXTRAS) -> str:
     start = time.monotonic()
     node = read_freeze(freeze)
     wheelhouse.mkdir(parents=True, exist_ok=True)
@@ -176,12 +185,13 @@ def build(wheelhouse: Path, freeze: Path, python_version: str, platform: str) ->
         python = node_venv(workdir, find_python(python_version), node)
         pins = workdir / "pins.txt"  # the node's torch / TE / Apex: what setup will pin there
         pins.write_text("".join(f"{name}=={version}\n" for name, version in node.items() if is_machine_built(name)))
-        plan = resolve(python, wheelhouse, target, pins, workdir / "report.json")
+        plan = resolve(python, wheelhouse, target, pins, workdir / "report.json", extras)
         wheels = fetch(python, plan, wheelhouse, target)
     size = sum(w.stat().st_size for w in wheels)
     took = time.monotonic() - start
     lines = [f"# {len(wheels)} wheels, {size / 2**20:.1f} MiB, for Python {python_version} on {platform}, beside the "
-             f"{len(node)} packages of {freeze.name} (tools/wheelhouse.py, {time.strftime('%Y-%m-%d')})"]
+             f"{len(node)} packages of {freeze.name} (tools/wheelhouse.py, {time.strftime('%Y-%m-%d')})",
+             f"{EXTRAS_LINE}{','.join(extras)}"]
     lines += [f"{item['metadata']['name']}=={item['metadata']['version']}  {wheel.name}  {wheel.stat().st_size}"
               for item, wheel in sorted(zip(plan, wheels), key=lambda pair: canonical(pair[0]["metadata"]["name"]))]
     (wheelhouse / CONTENTS).write_text("\n".join(lines) + "\n")
@@ -198,6 +208,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--python-version", default="3.12", help="the node's Python (TARGET_PYTHON; default 3.12)")
     parser.add_argument("--platform", default="manylinux_2_28_x86_64",
                         help="the node's wheel platform (TARGET_PLATFORM; default manylinux_2_28_x86_64)")
+    parser.add_argument("--extras", default=",".join(EXTRAS),
+                        help=f"pyproject.toml's extras beside the core (EXTRAS; default {','.join(EXTRAS)}; "
+                             f"eval adds lm-eval, ~150 MiB with its datasets and pyarrow)")
     args = parser.parse_args(argv)
     if sys.version_info < (3, 11):
         raise SystemExit(f"{PROG}: needs Python >= 3.11 (tomllib), this is {sys.version.split()[0]}: run "
@@ -207,7 +220,8 @@ def main(argv: list[str] | None = None) -> None:
                          f"list --format=freeze` on the node (given: WHEELHOUSE={str(args.wheelhouse)!r}, "
                          f"TARGET_FREEZE={str(args.freeze)!r})")
     try:
-        print(build(args.wheelhouse.resolve(), args.freeze, args.python_version, args.platform), flush=True)
+        extras = tuple(e.strip() for e in args.extras.split(",") if e.strip())
+        print(build(args.wheelhouse.resolve(), args.freeze, args.python_version, args.platform, extras), flush=True)
     except Failed as e:
         raise SystemExit(f"{PROG}: {e}") from None
 
