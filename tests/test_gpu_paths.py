@@ -572,3 +572,100 @@ def test_no_process_is_forked_from_a_rank_whose_cuda_is_up(monkeypatch):
     assert dense.results_manager_start() == "fork"  # this process never initialises CUDA
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     assert dense.results_manager_start() == "spawn"
+
+
+# --------------------------------------------------------------- host tensors to the device, host threads
+def _device_copies(monkeypatch) -> list:
+    """A stand-in CUDA for host-to-device copies: ``pin_memory`` marks its copy pinned, and ``to`` a GPU records
+    (whether the source was pinned, whether the copy was non-blocking) and leaves the tensor on the host."""
+    copies, to = [], torch.Tensor.to
+
+    def to_stand_in(self, *args, **kwargs):
+        device = kwargs.get("device", args[0] if args else None)
+        if isinstance(device, (torch.device, str)) and torch.device(device).type == "cuda":
+            copies.append((getattr(self, "pinned", False), kwargs.get("non_blocking", False)))
+            return self
+        return to(self, *args, **kwargs)
+
+    def pin_memory(self):
+        pinned = self.clone()
+        pinned.pinned = True
+        return pinned
+
+    monkeypatch.setattr(torch.Tensor, "to", to_stand_in)
+    monkeypatch.setattr(torch.Tensor, "pin_memory", pin_memory)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    return copies
+
+
+def test_indices_made_on_the_host_reach_the_device_from_pinned_memory(monkeypatch):
+    """A step's slots and routes, made on the host, go to the GPU non-blocking from pinned memory: from pageable
+    memory the driver may synchronise with the stream to stage the copy, a stall of the issuing thread. Each place
+    that copies them (a route's positions, the rows an owner sends, the fused AdamW's rows and decay, a working set's
+    leaving slots) through a stand-in CUDA; on the CPU the tensor itself, with nothing pinned."""
+    from types import SimpleNamespace
+
+    from stem_megatron.host_tables.device_tier import StepRows
+    from stem_megatron.host_tables.exchange import Route
+    from stem_megatron.host_tables.row_optimizer import RowOptimizer
+    from stem_megatron.host_tables.transfer import copy_to_device
+    from stem_megatron.host_tables.working_set import WorkingSet
+
+    ids, gpu = torch.arange(4), torch.device("cuda", 0)
+    assert copy_to_device(ids, torch.device("cpu")) is ids  # before the stand-in: CPU torch cannot pin
+    copies = _device_copies(monkeypatch)
+    Route(None, ids, ids, [], [], ids, ids, torch.float32, ids, ids).on(gpu)
+    resident = SimpleNamespace(slot_of=torch.arange(8), device=gpu, cols=2, rows=lambda layer, at: torch.ones(4, 2))
+    StepRows([0], SimpleNamespace(from_owners=lambda routes, rows: rows), resident).receive([], ids)
+    fused = RowOptimizer(None, "fused", gpu, dense=True)  # its AdamW a stand-in below
+    monkeypatch.setattr(fused, "_fused", lambda step, lr, state, layer, at, grads: None)
+    state = SimpleNamespace(master={0: torch.zeros(8, 2)})
+    fused.update(1, 1e-3, state, 0, ids, torch.ones(4, 2), torch.arange(4), untouched=torch.tensor([5]))
+    fused.decay(1, 1e-3, state, 0, ids)
+    leaving = SimpleNamespace(ids=torch.arange(4), slot_of=torch.arange(4), layers=[0], device=gpu,
+                              stats={"rows_left": 0}, _on_compute=contextlib.nullcontext, _landed=threading.Event(),
+                              d2h=SimpleNamespace(copy=lambda tensor, key: (tensor, None)),
+                              state=SimpleNamespace(kind=lambda kind: {0: torch.zeros(4, 2)}))
+    WorkingSet._evict(leaving, ids)
+    assert len(copies) == 5 + 1 + 2 + 1  # a route's five index tensors, the owner's slots, AdamW's rows twice, eviction
+    assert all(pinned and non_blocking for pinned, non_blocking in copies), copies
+
+
+def test_no_host_tensor_goes_to_the_device_non_blocking_outside_the_pinned_paths():
+    """Every ``non_blocking`` copy in host_tables/ is in transfer.py, from its pinned staging or ``copy_to_device``:
+    a new one elsewhere would copy from pageable memory."""
+    import ast
+    from pathlib import Path
+
+    import stem_megatron.host_tables as host_tables
+
+    found = []
+    for path in sorted(Path(host_tables.__file__).parent.glob("*.py")):
+        for call in ast.walk(ast.parse(path.read_text())):
+            if isinstance(call, ast.Call) and any(k.arg == "non_blocking" for k in call.keywords):
+                found.append(f"{path.name}:{call.lineno}")
+    assert found and all(where.startswith("transfer.py:") for where in found), found
+
+
+@pytest.mark.parametrize("env, cores, threads", [
+    ({"LOCAL_WORLD_SIZE": "8"}, 16, 1),  # torchrun, 8 ranks on a 16-core node: 2 cores a rank
+    ({"SLURM_STEP_TASKS_PER_NODE": "8(x2)", "SLURM_LOCALID": "3"}, 16, 1),  # srun, a rank a GPU, 2 nodes
+    ({"SLURM_STEP_TASKS_PER_NODE": "8", "SLURM_CPUS_PER_TASK": "2"}, 16, 1),  # the same, tasks not bound to cores
+    ({"SLURM_STEP_TASKS_PER_NODE": "8", "SLURM_CPUS_PER_TASK": "8"}, 8, 4),  # tasks bound to 8 cores each
+    ({}, 16, 8),  # one process on the node
+], ids=["torchrun", "srun", "srun-unbound", "srun-bound", "alone"])
+def test_a_ranks_host_threads_take_its_share_of_the_node(monkeypatch, env, cores, threads):
+    """A rank's prefetch and Adam threads split the cores it may use over the ranks sharing them, so the node's ranks
+    never run more OpenMP threads than it has cores (16 cores, 8 ranks: 1 + 1 a rank), whether torchrun or srun
+    started them. On the CPU a host thread takes no more than the training thread's count either."""
+    from stem_megatron.host_tables import node
+
+    for var in ("LOCAL_WORLD_SIZE", "SLURM_STEP_TASKS_PER_NODE", "SLURM_CPUS_PER_TASK", "SLURM_LOCALID"):
+        monkeypatch.delenv(var, raising=False)
+    for var, value in env.items():
+        monkeypatch.setenv(var, value)
+    monkeypatch.setattr(node.os, "sched_getaffinity", lambda pid: set(range(cores)))
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 6)
+    assert node.host_threads(torch.device("cuda", 0)) == threads
+    assert node.HOST_THREADS * threads <= max(2, cores // node.ranks_sharing_cores())
+    assert node.host_threads(torch.device("cpu")) == min(threads, 6)

@@ -1,7 +1,9 @@
 """The host tables as a member of megatron's ``ChainedOptimizer`` (training/table_optimizer.py): a step megatron skips
 leaves the tables as they were and stops the next step with its reason, on either tier, instead of leaving the
-prefetch thread waiting for a release that never comes. (Their clip: tests/test_stem_clip.py; their updates against
-device tables: tests/test_host_store.py.)"""
+prefetch thread waiting for a release that never comes; the chain asks the dense optimizer its norm once a step.
+(Their clip: tests/test_stem_clip.py; their updates against device tables: tests/test_host_store.py.)"""
+
+import math
 
 import distributed
 import pytest
@@ -55,3 +57,48 @@ def test_a_skipped_update_keeps_the_tables_and_stops_the_next_step(resident_rows
     assert out["tables_kept"] and out["dense_kept"], "a skipped step changed the weights"
     assert out["steps_done"] == 0
     assert "step 1 was not applied" in out["error"] and "grad_norm_skip_threshold" in out["error"]
+
+
+def _norms_of_a_step():
+    """Per ``host_tables.clip``: how often one chained step asked the dense optimizer its norm, the chain's norm and
+    the step record's norms."""
+    from stem_megatron.training.data_stream import with_rows
+    from stem_megatron.training.setup import setup_model
+    from stem_megatron.training.step import train_step
+
+    out = {}
+    for clip in ("global", "separate"):
+        cfg = RunConfig(model=MODEL, stem=STEMConfig(variant="stem", ratio="1/2"),
+                        host_tables=HostTablesConfig(optimizer="lazy", clip=clip),
+                        train=TrainConfig(steps=1, micro_batch_size=MICRO, global_batch_size=MICRO))
+        trainer = setup_model(cfg)
+        dense, chain, asked, returned = trainer.dense_optimizer, trainer.optimizer, [], []
+        dense_norm, chain_step = dense.get_grad_norm, chain.step
+
+        def counted():
+            asked.append(1)
+            return dense_norm()
+
+        def step():
+            returned.append(chain_step())
+            return returned[-1]
+
+        dense.get_grad_norm, chain.step = counted, step
+        seq = torch.randint(0, MODEL.vocab_size, (MICRO, MODEL.seq_length + 1),
+                            generator=torch.Generator().manual_seed(3))
+        with with_rows(iter([{"tokens": seq[:, :-1], "labels": seq[:, 1:]}]), trainer.store, 1) as data:
+            record = train_step(trainer, data, 1, MICRO, MODEL.seq_length, MODEL.vocab_size)
+        out[clip] = {"asked": len(asked), "chain": float(returned[0][1]),
+                     "record": tuple(record[k] for k in ("grad_norm", "dense_grad_norm", "stem_grad_norm"))}
+    return out
+
+
+def test_the_chain_asks_the_dense_norm_once_a_step():
+    out = distributed.run(_norms_of_a_step, 1)[0]
+    for clip, case in out.items():
+        assert case["asked"] == 1, f"{clip}: the dense optimizer's norm was computed {case['asked']} times in a step"
+        joint, dense, stem = case["record"]
+        assert dense > 0 and stem > 0
+        assert joint == math.sqrt(dense**2 + stem**2)
+    assert out["global"]["chain"] == out["global"]["record"][0], "global: the chain clips by the joint norm"
+    assert out["separate"]["chain"] == out["separate"]["record"][1], "separate: the chain clips by the dense norm"

@@ -30,7 +30,7 @@ from stem_megatron.host_tables.exchange import Route, RowExchange
 from stem_megatron.host_tables.host_tier import Grads, HotRowCache, fetch_from_copy, row_bytes
 from stem_megatron.host_tables.row_optimizer import LaterDecay, MissedUpdate, RowOptimizer
 from stem_megatron.host_tables.row_state import HostRecord
-from stem_megatron.host_tables.transfer import HostToDevice, PrefetchedRows
+from stem_megatron.host_tables.transfer import HostToDevice, PrefetchedRows, copy_to_device
 from stem_megatron.host_tables.working_set import WorkingSet
 
 EMPTY = torch.empty(0, dtype=torch.int64)
@@ -64,7 +64,7 @@ class StepRows:
         if not self.layers:
             return
         start = time.perf_counter()
-        slots = self.resident.slot_of[owned].to(self.resident.device, non_blocking=True)
+        slots = copy_to_device(self.resident.slot_of[owned], self.resident.device)
         mine = [self.resident.rows(layer, slots) for layer in self.layers]
         every = self.exchange.from_owners(routes, mine[0] if len(mine) == 1 else torch.cat(mine, dim=1))
         self.rows = dict(zip(self.layers, every.split(self.resident.cols, dim=1)))

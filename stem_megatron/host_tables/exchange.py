@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from stem_megatron.host_tables.node import NodeLayout
 from stem_megatron.host_tables.ownership import RowOwnership
+from stem_megatron.host_tables.transfer import copy_to_device
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # host_tables.wire_dtype / host_tables.read_dtype
 
@@ -51,7 +52,7 @@ class Route:
     def on(self, device: torch.device) -> Route:
         """The route with its positions on ``device`` (a plan made on the prefetch thread keeps them on the host
         until the training thread takes it: its copies then go where today's do, on that thread's stream)."""
-        keep, send, inverse, by_id, adding = (t.to(device, non_blocking=True) for t in (
+        keep, send, inverse, by_id, adding = (copy_to_device(t, device) for t in (
             self.keep, self.send, self.inverse, self.by_id, self.adding))
         return replace(self, keep=keep, send=send, inverse=inverse, by_id=by_id, adding=adding)
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import re
 import sys
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
@@ -27,6 +28,7 @@ import torch.distributed as dist
 SHM_DIR = "/dev/shm"
 SANITIZER = "torch.cuda._sanitizer"  # imported by torch itself where TORCH_CUDA_SANITIZER is set
 SERIAL_SWITCH_S = 3600.0  # no timed thread switches in a sanitized process
+HOST_THREADS = 2  # a rank's threads beside training that run OpenMP work: the row prefetch and CPU Adam
 
 
 @dataclass
@@ -62,15 +64,34 @@ def launcher_node() -> int:
     return 0
 
 
+def ranks_sharing_cores() -> int:
+    """The ranks whose threads share this process' cores: the node's ranks as their launcher counts them (torchrun's
+    ``LOCAL_WORLD_SIZE``; else the SLURM step's tasks a node, as ``srun`` starting one rank a GPU sets no
+    ``LOCAL_WORLD_SIZE``; else 1). Under SLURM no more than these cores hold tasks of ``SLURM_CPUS_PER_TASK``: a task
+    ``srun`` bound to cores of its own shares them with nobody."""
+    local = os.environ.get("LOCAL_WORLD_SIZE", "")
+    if local.isdigit():
+        return max(1, int(local))
+    counts = re.findall(r"(\d+)(?:\(x\d+\))?", os.environ.get("SLURM_STEP_TASKS_PER_NODE", ""))  # "8", "8(x2),4"
+    if not counts:
+        return 1
+    tasks = max(int(n) for n in counts)  # every node runs as many (``node_layout``)
+    per_task = os.environ.get("SLURM_CPUS_PER_TASK", "")
+    if per_task.isdigit() and int(per_task) > 0:
+        tasks = min(tasks, len(os.sched_getaffinity(0)) // int(per_task))
+    return max(1, tasks)
+
+
 def host_threads(device: torch.device) -> int:
-    """OpenMP threads of each of this rank's host threads (CPU Adam, the row prefetch), set by each thread for
-    itself: a new thread otherwise runs with OpenMP's default, one thread under torchrun. On GPU the node's cores
-    shared by its ranks (ranks x threads = cores; the training thread mostly waits on the device, and the prefetch
-    and Adam threads work at different times of the step), on CPU the training thread's count (the launcher's
-    cores / ranks, as compute needs them too). Call it on the training thread."""
-    if device.type != "cuda":
-        return torch.get_num_threads()
-    return max(1, len(os.sched_getaffinity(0)) // int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+    """OpenMP threads of each of this rank's ``HOST_THREADS`` host threads (the row prefetch, CPU Adam), set by each
+    thread for itself: a new thread otherwise runs with OpenMP's default, one thread under torchrun. The rank's budget
+    is the cores this process may use (``sched_getaffinity``) over the ranks sharing them (``ranks_sharing_cores``),
+    and its host threads split it: budget // 2 each, at least 1, so the node's ranks x (prefetch + Adam) threads are
+    no more than its cores (16 cores, 8 ranks: a budget of 2, 1 thread each). On GPU the training thread mostly waits
+    on the device; on CPU it computes with the launcher's count (cores / ranks), which a host thread does not exceed
+    either. Call it on the training thread."""
+    threads = max(1, len(os.sched_getaffinity(0)) // ranks_sharing_cores() // HOST_THREADS)
+    return threads if device.type == "cuda" else min(threads, torch.get_num_threads())
 
 
 def enter_host_thread(threads: int, device: torch.device) -> None:

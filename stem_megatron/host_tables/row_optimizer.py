@@ -32,6 +32,7 @@ from typing import NamedTuple
 import torch
 
 from stem_megatron.host_tables.row_state import RowState
+from stem_megatron.host_tables.transfer import copy_to_device
 
 _ids = itertools.count()  # one kernel state per RowAdam, in the op's own registry
 _SOURCE = Path(__file__).parent / "csrc" / "row_adam.cpp"
@@ -196,7 +197,7 @@ class RowOptimizer:
         if untouched.numel():
             at, grads = torch.cat([at, untouched]), torch.cat([grads, grads.new_zeros(untouched.numel(), grads.shape[1])])
         if at.numel():
-            self._fused(step, lr, state, layer, at.to(self.device, non_blocking=True), grads)
+            self._fused(step, lr, state, layer, copy_to_device(at, self.device), grads)
 
     def decay(self, step: int, lr: float, state: RowState, layer: int, rows: torch.Tensor) -> None:
         """Step ``step`` at ``lr`` on ``layer``'s ``rows`` (sorted) with a zero gradient (dense Adam's untouched rows)."""
@@ -206,7 +207,7 @@ class RowOptimizer:
             self.adam.update_untouched_rows(step, lr, rows, *state.of(layer))
         else:
             zeros = state.master[layer].new_zeros(rows.numel(), state.master[layer].shape[1])
-            self._fused(step, lr, state, layer, rows.to(self.device, non_blocking=True), zeros)
+            self._fused(step, lr, state, layer, copy_to_device(rows, self.device), zeros)
 
     def _fused(self, step: int, lr: float, state: RowState, layer: int, at: torch.Tensor, grads: torch.Tensor) -> None:
         """torch's fused AdamW on ``layer``'s rows ``at`` (on the device): gathered, updated, put back (3x an in-place

@@ -15,7 +15,9 @@ on another side stream; whoever reads them first waits for their event (``landed
 Pinned memory is allocated when the store is built, at the sizes the memory plan counts (``staging_bytes``,
 ``landing_rows``, ``working_set_bytes``, ``staged_bytes``; ``flops/memory.py`` uses the same functions), because
 pinning (``cudaHostAlloc``) is slow and synchronises the device: done in the middle of a step it would stall it. A
-request larger than planned (inference's batches, a store built without its batch sizes) grows its buffer once.
+request larger than planned (inference's batches, a store built without its batch sizes) grows its buffer once. A
+step's indices made on the host (slots, routes: kilobytes) go through ``copy_to_device``, pinned in blocks that torch's
+caching host allocator keeps and hands out again, so only a size's first request pins.
 ``CudaCopies`` is torch's side of it: a side stream, pinned allocations, events. Tests on a machine without a GPU pass
 a stand-in with the same methods whose copies run late on a thread of their own, as a copy engine's do.
 """
@@ -62,6 +64,17 @@ class CudaCopies:
         event = torch.cuda.Event(blocking=True)
         event.record(self.side)
         return event
+
+
+def copy_to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor made during a step (slots, routes: indices) on ``device``, on the current stream, without a wait:
+    on GPU from pinned memory, since from pageable memory the driver may synchronise with the stream to stage the
+    copy (a stall of the issuing thread, hidden behind ``non_blocking``). The pinned copy is a block of torch's caching
+    host allocator, pinned at the first request of its size and handed out again only after the copy's event. On CPU,
+    already on the device, or the GPU branches run on a CPU (``cpu_compat``): the tensor as ``to`` gives it."""
+    if device.type == "cuda" and tensor.device.type == "cpu" and torch.cuda.is_available():
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)
 
 
 

@@ -43,8 +43,8 @@ import torch.distributed as dist
 
 from stem_megatron.host_tables.row_optimizer import MissedUpdate, RowOptimizer
 from stem_megatron.host_tables.row_state import KINDS, HostRecord, RowState, StagedRows
-from stem_megatron.host_tables.transfer import (DeviceToHost, Fetched, HostToDevice, PrefetchedRows, landed,
-                                                positions_in_step, staged_rows, working_set_bytes)
+from stem_megatron.host_tables.transfer import (DeviceToHost, Fetched, HostToDevice, PrefetchedRows, copy_to_device,
+                                                landed, positions_in_step, staged_rows, working_set_bytes)
 from stem_megatron.model.stem_rows import RowOrder
 
 GROWTH = 1.25  # a set too small for a step's distinct ids grows by at least this factor
@@ -333,7 +333,7 @@ class WorkingSet:
         has, ``preload`` waits."""
         ids = self.ids[slots]
         with self._on_compute():
-            at = slots.to(self.device, non_blocking=True)
+            at = copy_to_device(slots, self.device)
             copies = {(layer, kind): self.d2h.copy(self.state.kind(kind)[layer].index_select(0, at), (layer, kind))
                       for layer in self.layers for kind in KINDS}
         self.slot_of[ids] = -1

@@ -8,7 +8,7 @@ from typing import Optional
 
 import torch
 from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
-from megatron.core.optimizer import ChainedOptimizer, MegatronOptimizer
+from megatron.core.optimizer import MegatronOptimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.spec_utils import ModuleSpec
@@ -19,7 +19,7 @@ from stem_megatron.host_tables.store import HostRowSource, HostTableStore, build
 from stem_megatron.model.gpt import build_gpt, transformer_config
 from stem_megatron.model.stem_mlp import STEM_VARIANTS
 from stem_megatron.training.optim import build_optimizer, build_scheduler, wrap_ddp
-from stem_megatron.training.table_optimizer import TableOptimizer
+from stem_megatron.training.table_optimizer import TableChain, TableOptimizer
 
 
 @dataclass
@@ -55,7 +55,7 @@ def setup_model(cfg: RunConfig) -> Trainer:
     model = wrap_ddp(model, tconfig, cfg.parallel)
     dense = build_optimizer(model, cfg.train, cfg.parallel, bf16=gpu)
     optimizer = (dense if store is None
-                 else ChainedOptimizer([dense, TableOptimizer(store, dense, cfg.host_tables.clip)]))
+                 else TableChain(dense, TableOptimizer(store, dense, cfg.host_tables.clip)))
     scheduler = build_scheduler(optimizer, cfg.train)
     tconfig.finalize_model_grads_func = finalize_model_grads
     tconfig.grad_scale_func = dense.scale_loss

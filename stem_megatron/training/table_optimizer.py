@@ -1,8 +1,8 @@
-"""The host STEM tables as a member of megatron-core's ``ChainedOptimizer``, so a training step is megatron's
-``optimizer.step()`` whatever holds the tables (docs/host_tables.md, "The tables in megatron's optimizer").
+"""The host STEM tables as a member of megatron-core's ``ChainedOptimizer`` (``TableChain``), so a training step is
+megatron's ``optimizer.step()`` whatever holds the tables (docs/host_tables.md, "The tables in megatron's optimizer").
 
-The chain calls its members in one order (``prepare_grads``, ``get_grad_norm``, its clip, ``step_with_ready_grads``);
-this member maps them onto the step's end in the open ``RowPipeline``: the row gradients sent to their owners and their
+The chain calls its members in one order (``prepare_grads``, the norm, its clip, ``step_with_ready_grads``); this
+member maps them onto the step's end in the open ``RowPipeline``: the row gradients sent to their owners and their
 squared norm summed (``reduce_gradients``, the role of DDP's ``finish_grad_sync``), the clip, the rows updated and the
 next step released (``step``).
 
@@ -12,8 +12,10 @@ Three things the chain does not do for host rows, done here:
   coefficient, ``clip_grad / (norm + 1e-6)``, by the joint norm (``host_tables.clip=global``, computed as the chain
   does) or the rows' own (``separate``, the released code's). For ``separate`` it reports a norm of 0 to the chain, so
   the chain's norm, which clips the dense gradients, is the dense norm alone.
-- The step record's norms. The chain returns one norm; the dense one is asked of the dense optimizer a second time
-  (one pass over its gradients and one scalar all-reduce, as megatron measures its separate norm groups).
+- The dense norm. The member needs it for the joint clip and the step record, and megatron's chain keeps its members'
+  norms to itself, so ``TableChain`` asks the dense optimizer once and gives its norm to the member (``norm_given``):
+  asking it again would be a second pass over the dense gradients and a second all-reduce, and without TE or Apex
+  megatron's L2 norm syncs the host once per parameter.
 - A skipped update. The chain skips every member's ``step_with_ready_grads`` on a non-finite gradient or a norm
   above ``grad_norm_skip_threshold``. The rows' step also releases the next step to the prefetch thread, so the host
   tables cannot skip one: the next ``zero_grad`` stops the run with the reason instead of waiting forever.
@@ -28,7 +30,7 @@ import math
 from typing import Optional
 
 import torch
-from megatron.core.optimizer import MegatronOptimizer
+from megatron.core.optimizer import ChainedOptimizer, MegatronOptimizer
 from torch.profiler import record_function
 
 from stem_megatron.host_tables.store import HostTableStore
@@ -69,12 +71,18 @@ class TableOptimizer(MegatronOptimizer):
         return not math.isfinite(self._stem_sq)
 
     @torch.no_grad()
-    def get_grad_norm(self) -> float:
-        """The rows' norm (0 with ``separate``: the chain's norm is then the dense one, which clips the dense part)."""
-        dense, stem = float(self.dense.get_grad_norm()), math.sqrt(self._stem_sq)
+    def norm_given(self, dense_norm) -> float:
+        """The rows' norm for the chain, given the dense optimizer's (``TableChain``): ‖STEM‖, or 0 with ``separate``
+        (the chain's norm, which clips the dense part, is then the dense one). Records the step's norms."""
+        dense, stem = float(dense_norm), math.sqrt(self._stem_sq)
         joint = math.sqrt(sum(x**2 for x in (dense, stem)))  # as the chain sums its members' norms
         self.step_record = {"grad_norm": joint, "dense_grad_norm": dense, "stem_grad_norm": stem}
         return 0.0 if self.separate else stem
+
+    def get_grad_norm(self) -> float:
+        """A chain that asks its members alone has no dense norm to give this one."""
+        raise TypeError("TableOptimizer takes the dense norm from its chain: chain it with TableChain(dense, tables) "
+                        "(training/setup.py), not megatron's ChainedOptimizer")
 
     def get_grad_stats_parallel_group(self) -> None:
         """None: the rows' statistics are reduced by the tables themselves (over the DP group, then the model-parallel
@@ -139,4 +147,21 @@ class TableOptimizer(MegatronOptimizer):
 
     def step(self):
         """Megatron's steps go through the chain: a member alone has no dense norm to clip by."""
-        raise TypeError("TableOptimizer is stepped as a member of megatron's ChainedOptimizer (training/setup.py)")
+        raise TypeError("TableOptimizer is stepped as a member of its TableChain (training/setup.py)")
+
+
+class TableChain(ChainedOptimizer):
+    """megatron's chain of the dense optimizer and the tables' member, whose norm asks the dense optimizer once and
+    gives it to the member (``TableOptimizer.norm_given``) rather than have the member ask again."""
+
+    def __init__(self, dense: MegatronOptimizer, tables: TableOptimizer):
+        super().__init__([dense, tables])
+
+    @torch.no_grad()
+    def get_grad_norm(self) -> float:
+        """megatron's norm of members whose statistics are reduced apart (the tables' are: their
+        ``get_grad_stats_parallel_group`` is None), computed as megatron does: the root of their squares' sum."""
+        dense, tables = self.chained_optimizers
+        dense_norm = dense.get_grad_norm()
+        norms = [norm if norm else 0.0 for norm in (dense_norm, tables.norm_given(dense_norm))]
+        return math.sqrt(sum([x**2 for x in norms]))
