@@ -56,6 +56,7 @@ class STEMConfig:
     table_init: str = "scaled"
     table_init_std: Optional[float] = None  # overrides the std of scaled or xavier
     calibration_tokens: Optional[int] = None  # from_dense: tokens of the calibration pass (None: one pass over all)
+    calibration_gib: float = 4.0  # from_dense: device GiB of the pass's sums; layers beyond it: more passes
 
 
 @dataclass
@@ -278,12 +279,8 @@ def validate_layout(cfg: RunConfig, world_size: int) -> int:
     m, s, h, p, t = cfg.model, cfg.stem, cfg.host_tables, cfg.parallel, cfg.train
     tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
     _check(tp >= 1 and pp >= 1, "parallel", "tensor/pipeline sizes must be >= 1")
-    _check(
-        world_size % (tp * pp) == 0,
-        "parallel",
-        f"world size {world_size} is not divisible by tp*pp = {tp * pp}; launch tp*pp*dp processes "
-        f"(e.g. torchrun --nproc_per_node {tp * pp})",
-    )
+    _check(world_size % (tp * pp) == 0, "parallel", f"world size {world_size} is not divisible by tp*pp = {tp * pp}; "
+           f"launch tp*pp*dp processes (e.g. torchrun --nproc_per_node {tp * pp})")
     dp = world_size // (tp * pp)
     groups = m.num_query_groups or m.num_attention_heads
     _check(m.hidden_size % m.num_attention_heads == 0, "model.hidden_size",
@@ -317,6 +314,7 @@ def validate_layout(cfg: RunConfig, world_size: int) -> int:
     _check(s.table_init != "from_dense" or cfg.checkpoint.init_from_hf, "stem.table_init", "from_dense reads a dense "
            "model's up-projections: set checkpoint.init_from_hf=<a Hugging Face model directory>, or table_init=scaled")
     _check((s.calibration_tokens or 1) >= 1, "stem.calibration_tokens", "must be >= 1 or null (one pass over all)")
+    _check(s.calibration_gib > 0, "stem.calibration_gib", "must be > 0 (device GiB of the calibration's sums)")
     _check(s.table_init_std is None or s.table_init_std > 0, "stem.table_init_std", "must be > 0 or null")
     _check(h.prefetch_depth >= 1, "host_tables.prefetch_depth", "must be >= 1")
     _check(h.cache_rows >= 0, "host_tables.cache_rows", "must be >= 0")

@@ -36,7 +36,7 @@ RECIPES = str(Path(__file__).resolve().parent.parent / "recipes")
 # before issue 54 (config_moves.flat_stem), so a run keeps its directory
 _IGNORED = {"train": ("log_interval", "exit_after_steps", "eval_interval", "eval_iters"),
             "stem": ("prefetch_depth", "cache_rows", "shm_dir", "host_memory_gib", "overlap_exchange",
-                     "overlap_update", "resident_rows")}
+                     "overlap_update", "resident_rows", "calibration_gib")}
 # fields added since runs were first named (issue 53), left out at their defaults: a run keeps its directory
 _ADDED = {"model": {"qkv_bias": False, "rope_scaling_factor": None}, "stem": {"calibration_tokens": None}}
 

@@ -5,10 +5,13 @@ vocabulary, Llama 3's RoPE scaling): the same logits at TP=1 (DP=2) and at TP=2 
 scale; a dense Llama imported at TP=2 x PP=2 then exported (``checkpoint.export`` and ``stem-export-hf``) gives back
 its tensors bitwise, the Qwen2 exported so gives transformers' Qwen2 logits in our transformers model;
 the dense-to-STEM conversion keeps the dense gate and down projections and, with ``from_dense``, fills ``U_l`` with
-``W_u E[x_l | t]`` as a plain loop over the calibration windows computes it; bad input is refused in one line.
+``W_u E[x_l | t]`` as a plain loop over the calibration windows computes it, bitwise the same at DP=2 and in one
+process and whatever the pass's grouping of layers (its sums are fixed-point integers, which have no order); bad
+input is refused in one line.
 """
 
 import json
+import math
 import re
 import shutil
 
@@ -16,6 +19,7 @@ import distributed
 import pytest
 import torch
 from hf_models import ARCHS, import_config, save_hf_model
+from safetensors.torch import load_file, save_file
 
 BOUND = 1e-5
 CALIBRATION = 1024  # tokens of the from_dense pass: 32 windows of 32
@@ -97,14 +101,25 @@ def _at_dp2(corpus, hf_dirs, tokens):
             "converted": _converted(corpus, hf_dirs["llama"], "host")}
 
 
-def _in_one_process(corpus, llama, exports, out):
-    """One process: the TP=2 x PP=2 exports to Hugging Face, then the Llama as STEM-1/3 with a ``from_dense`` device
-    table."""
+def _in_one_process(corpus, llama, exports, out, huge):
+    """One process: the TP=2 x PP=2 exports to Hugging Face, the Llama as STEM-1/3 with a ``from_dense`` device
+    table, the calibration's means of layers 1-3 in groups of one layer and in one group, and the calibration of
+    ``huge`` (a Llama whose layer 1 has FFN inputs too large for the sums) refused."""
+    from stem_megatron.checkpoint.hf.calibration import mean_ffn_inputs
+    from stem_megatron.config import ConfigError
     from stem_megatron.export.hf.writer import export_hf
 
     for export in sorted(exports.iterdir()):
         export_hf(export, out / export.name)
-    return _converted(corpus, llama, "device")
+    cfg = import_config("llama", corpus, llama, variant="stem", ratio="full", table_init="from_dense",
+                        calibration_tokens=CALIBRATION)
+    grouped = {}
+    for gib in (1e-9, 1.0):  # below one layer's sums (400 x 64 int64): a group a layer; every layer in one group
+        cfg.stem.calibration_gib = gib
+        grouped[gib] = list(mean_ffn_inputs(cfg, llama, [1, 2, 3], cfg.model.vocab_size, torch.device("cpu")))
+    with pytest.raises(ConfigError) as refusal:
+        next(mean_ffn_inputs(cfg, huge, [1], cfg.model.vocab_size, torch.device("cpu")))
+    return {"device": _converted(corpus, llama, "device"), "grouped": grouped, "refusal": str(refusal.value)}
 
 
 @pytest.fixture(scope="module")
@@ -113,11 +128,16 @@ def imported(corpus, hf_dirs, tmp_path_factory):
     process."""
     tmp = tmp_path_factory.mktemp("imported")
     tokens = torch.randint(0, 400, (2, 32), generator=torch.Generator().manual_seed(0))
+    huge = tmp / "huge"  # layer 1's FFN inputs up to 4e10: sums of a token seen over 6 times could overflow
+    shutil.copytree(hf_dirs["llama"], huge)
+    weights = load_file(huge / "model.safetensors")
+    weights["model.layers.1.post_attention_layernorm.weight"] *= 1e10
+    save_file(weights, huge / "model.safetensors", metadata={"format": "pt"})
     at_dp2 = distributed.run(_at_dp2, 2, corpus, hf_dirs, tokens)
     at_tp2_pp2 = distributed.run(_dense_at_layout, 4, corpus, hf_dirs, tokens, 2, 2, tmp / "export", tp=2, pp=2)
-    (device,) = distributed.run(_in_one_process, 1, corpus, hf_dirs["llama"], tmp / "export", tmp / "hf")
+    (one,) = distributed.run(_in_one_process, 1, corpus, hf_dirs["llama"], tmp / "export", tmp / "hf", huge)
     return {"tokens": tokens, "tp1": [r["logits"] for r in at_dp2], "tp2_pp2": at_tp2_pp2, "hf": tmp / "hf",
-            "host": at_dp2[0]["converted"], "device": device}
+            "host": at_dp2[0]["converted"], **one}
 
 
 @pytest.mark.slow
@@ -215,15 +235,82 @@ def _plain_from_dense(corpus, hf_dir, layers):
 @pytest.mark.slow
 def test_a_dense_model_becomes_stem_with_tables_from_dense(corpus, hf_dirs, imported):
     """Host tables at DP=2 (the calibration windows split over the ranks, the sums all-reduced) and a device table
-    in one process give the plain loop's tables; ``W_g``/``W_d`` are the dense gate and down projections."""
+    in one process give the plain loop's tables, bitwise the same; ``W_g``/``W_d`` are the dense gate and down
+    projections."""
     host, device = imported["host"], imported["device"]
     want, mlps = _plain_from_dense(corpus, hf_dirs["llama"], sorted(host["tables"]))
     assert sorted(host["tables"]) == sorted(device["tables"]) == [3]  # STEM-1/3 of 4 layers: the plan's layer
+    assert torch.equal(host["tables"][3], device["tables"][3])
     for got in (host, device):
         for layer, table in want.items():
             assert (got["tables"][layer] - table).abs().max() <= BOUND * table.abs().max(), layer
             assert torch.equal(got["weights"][f"decoder.layers.{layer}.mlp.W_g.weight"], mlps[layer].gate_proj.weight)
             assert torch.equal(got["weights"][f"decoder.layers.{layer}.mlp.W_d.weight"], mlps[layer].down_proj.weight)
+
+
+@pytest.mark.slow
+def test_the_calibration_in_groups_of_layers_gives_the_same_means(imported):
+    """A budget below one layer's sums: a pass a layer, each stopping at its layer; the means bitwise those of one
+    pass over every layer."""
+    apart, together = imported["grouped"][1e-9], imported["grouped"][1.0]
+    assert [sorted(group) for group in apart] == [[1], [2], [3]] and [sorted(g) for g in together] == [[1, 2, 3]]
+    for group in apart:
+        for layer, means in group.items():
+            assert torch.equal(means, together[0][layer]), layer
+
+
+def test_calibration_sums_have_no_order():
+    """FFN inputs by token id that cancel, pairs of x and -x of 2^20..2^30 beside inputs of 2^-20..2^-10 (fp64 sums of
+    them depend on their order): summed in two orders and split over two ranks as DP=2 splits the windows (then
+    added, as the all-reduce does), the means are bitwise the same, within the fixed point's half unit (and fp32's
+    rounding) of the exact means; unseen ids get the mean of all."""
+    from stem_megatron.checkpoint.hf.calibration import SHIFT, fixed_point, means_of
+
+    g = torch.Generator().manual_seed(0)
+    vocab, d, n = 16, 8, 512
+
+    def inputs(low, high, rows):
+        sign = torch.randint(0, 2, (rows, d), generator=g) * 2 - 1
+        return sign * (torch.rand(rows, d, generator=g) + 1) * 2.0 ** torch.randint(low, high, (rows, d), generator=g)
+
+    big = inputs(20, 31, n // 4)
+    x = torch.cat([torch.stack([big, -big], 1).reshape(n // 2, d), inputs(-20, -9, n // 2)])
+    ids = torch.cat([torch.randint(0, vocab - 2, (n // 4,), generator=g).repeat_interleave(2),
+                     torch.randint(0, vocab - 2, (n // 2,), generator=g)])  # ids 14 and 15 never seen
+
+    def means(*ranks):
+        sums, counts = torch.zeros(vocab, d, dtype=torch.int64), torch.zeros(vocab, dtype=torch.int64)
+        for rows in ranks:
+            sums += torch.zeros_like(sums).index_add_(0, ids[rows], fixed_point(x[rows]))
+            counts += torch.bincount(ids[rows], minlength=vocab)
+        return means_of(sums, counts)
+
+    got = means(torch.arange(n))
+    assert torch.equal(means(torch.randperm(n, generator=g)), got)
+    assert torch.equal(means(torch.arange(0, n, 2), torch.arange(1, n, 2)), got)
+    exact = torch.zeros(vocab, d, dtype=torch.float64)
+    for t in range(vocab):
+        rows = x[ids == t] if t < vocab - 2 else x
+        exact[t] = torch.tensor([math.fsum(column) / len(column) for column in rows.double().t().tolist()])
+    assert ((got - exact).abs() <= 2.0 ** -(SHIFT + 1) + exact.abs() * 2.0 ** -24).all()
+
+
+def test_calibration_sums_that_could_overflow_are_refused_in_one_line(imported):
+    """A token seen ``count`` times with inputs up to ``amax``: sums up to ``amax * count * 2^24``, refused from 2^62
+    (or a NaN), in the pass (``huge``: a Llama with layer 1's FFN inputs up to 4e10) as in the bound alone."""
+    from stem_megatron.checkpoint.hf.calibration import check_range
+    from stem_megatron.config import ConfigError
+
+    check_range(3, 1.0, 2 ** 38 - 1)
+    for amax, count in ((1.0, 2 ** 38), (2.0 ** 20, 2 ** 18), (float("nan"), 1)):
+        with pytest.raises(ConfigError):
+            check_range(3, amax, count)
+    said = imported["refusal"]
+    assert "\n" not in said
+    assert re.fullmatch(r"stem\.calibration_tokens: model\.layers\.1's FFN inputs reach \|x\|=\S+ and a token "
+                        r"occurs \d+ times in the calibration pass, so its fixed-point sums \(x \* 2\^24\) could pass "
+                        r"2\^62: set fewer stem\.calibration_tokens, so that no token occurs more than [1-9]\d* times",
+                        said), said
 
 
 def _errors(corpus, hf_dirs, tmp_path):

@@ -39,12 +39,13 @@ def _layout() -> dict:
 def _identity(cfg: RunConfig) -> dict:
     """What must match for a checkpoint to load: the model and which layers are STEM / where tables live. ``stem``:
     the flat dict of before issue 54 (``config_moves.flat_stem``), so checkpoints saved before it still load; the
-    calibration's tokens decide only a new run's tables (``checkpoint.init_from_hf``), a resume loads them."""
+    calibration's fields decide only a new run's tables (``checkpoint.init_from_hf``), a resume loads them."""
     stem = flat_stem(*(dataclasses.asdict(group) for group in (cfg.stem, cfg.host_tables, cfg.hash_moe)))
     return {"model": dataclasses.asdict(cfg.model),
             "stem": {k: v for k, v in stem.items()
                      if k not in ("prefetch_depth", "cache_rows", "shm_dir", "host_memory_gib",
-                                  "overlap_exchange", "overlap_update", "calibration_tokens")}}
+                                  "overlap_exchange", "overlap_update", "calibration_tokens",
+                                  "calibration_gib")}}
 
 
 def save(cfg: RunConfig, trainer, detector, step: int) -> Path:

@@ -90,16 +90,22 @@ def init_from_hf(cfg: RunConfig, trainer) -> Path:
 
 
 def _tables_from_dense(cfg: RunConfig, trainer, directory: Path, read: HFWeights) -> None:
-    """``U_l[t] = W_u E[x_l | t]`` into every STEM table of this stage (``calibration``)."""
+    """``U_l[t] = W_u E[x_l | t]`` into every STEM table of this stage (``calibration``), a group of layers at a time:
+    a group's means become its tables and leave the device before the next group's pass."""
     store, device_tables = trainer.store, _stem_tables(trainer)
     layers = [layer - 1 for layer in store.layers] if store is not None else sorted(device_tables)
-    # every rank takes part in the pass over every STEM layer (its all-reduces), also a stage with none of them
+    # every rank takes part in every group's pass (its all-reduces) and load (a node collective), also a stage with
+    # none of the group's layers
     planned = planned_layers(cfg.model.num_layers, cfg.stem)
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    means = mean_ffn_inputs(cfg, directory, planned, cfg.model.vocab_size, device)
-    up = {layer: read(f"model.layers.{layer}.mlp.up_proj.weight").to(device, torch.float32) for layer in layers}
-    tables = {layer: (means[layer] @ up[layer].t()).cpu() for layer in layers}  # V x d_ff: on the device, GPU or not
-    if store is not None:
-        store.load_tables({layer + 1: table for layer, table in tables.items()})
-    for layer, param in device_tables.items():
-        param.copy_(shard_of(tables[layer], param))
+    for means in mean_ffn_inputs(cfg, directory, planned, cfg.model.vocab_size, device):
+        tables = {}
+        for layer in [layer for layer in layers if layer in means]:
+            up = read(f"model.layers.{layer}.mlp.up_proj.weight").to(device, torch.float32)
+            tables[layer] = (means.pop(layer) @ up.t()).cpu()  # V x d_ff: on the device, GPU or not
+        means.clear()
+        if store is not None:
+            store.load_tables({layer + 1: table for layer, table in tables.items()})
+        else:
+            for layer, table in tables.items():
+                device_tables[layer].copy_(shard_of(table, device_tables[layer]))
