@@ -35,15 +35,15 @@ test-quick: setup
 bench: setup
 	$(VENV)/bin/python benchmarks/ffn_cost.py
 
-# on a GPU machine (set up first, offline with PYTHON=... WHEELHOUSE=DIR: docs/gpu.md): the gpu tests only a GPU can
-# fail, the step ratios at 1B width with their audits and the layer benchmark, planned within 7 minutes with the
-# setup, most telling first, and the figures against the GPU step's goals, all under OUT (tools/gpu_check.py; UNTIL:
-# a deadline in seconds since the epoch, what does not fit is left; RESUME=1: keep what an earlier command measured;
-# ALL=1: the rest after, the trainings, 350M and 1B's 16 layers, the doctor; BASELINE: an earlier run's
-# gpu_step.json; DRY_RUN=1: the plan, its parts' seconds and their total, without setup or GPU; OVERRIDES: Hydra
-# overrides for every step run, e.g. host_tables.host_memory_gib=110 on a VM whose RAM grows as it is used)
-gpu-check: GPU_CHECK_SINCE := $(shell date +%s)
-gpu-check: $(if $(DRY_RUN),,setup)
-	$(if $(DRY_RUN),$(or $(PYTHON),python3),$(VENV)/bin/python) tools/gpu_check.py --since $(GPU_CHECK_SINCE) \
+# on a GPU machine (offline with PYTHON=... WHEELHOUSE=DIR: docs/gpu.md): pre-checks in seconds (a GPU, compilers,
+# Python.h, ninja, /dev/shm), the setup, the step ratios at 1B width with their audits, then the golden losses, planned
+# within 7 minutes, most telling first, summary.md written after each part, all under OUT (tools/gpu_check.py, its plan
+# tools/gpu_plan.py; UNTIL: a deadline in seconds since the epoch, what does not fit is left; RESUME=1: keep what an
+# earlier command measured; ALL=1: the rest after, the gpu tests, the layer, the trainings, 350M and 1B's 16 layers,
+# the doctor; BASELINE: an earlier run's gpu_step.json; DRY_RUN=1: the plan, each part's seconds with their source,
+# without setup or GPU; OVERRIDES: Hydra overrides for every step run, e.g. host_tables.host_memory_gib=110 on a VM
+# whose RAM grows as it is used)
+gpu-check:
+	$(or $(PYTHON),python3) tools/gpu_check.py --venv "$(VENV)" \
 	  $(if $(OUT),--out "$(OUT)") $(if $(UNTIL),--until $(UNTIL)) $(if $(RESUME),--resume) $(if $(ALL),--all) \
 	  $(if $(BASELINE),--baseline "$(BASELINE)") $(if $(DRY_RUN),--dry-run) $(OVERRIDES)

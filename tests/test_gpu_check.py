@@ -1,6 +1,6 @@
 """``make gpu-check`` where no GPU is: the goals table it builds from a step benchmark's records (the ratios, what a
-missing run leaves, a baseline beside), its plan (7 minutes with the setup, the dry run), what it runs inside a
-lease's deadline and what a second command adds, that every process a part starts ends with it (a stand-in whose
+missing run leaves, a baseline beside), its plan (7 minutes with the setup, the dry run, each estimate's source), its
+pre-checks, what it runs inside a lease's deadline and what a second command adds, a failed setup's summary, that every process a part starts ends with it (a stand-in whose
 grandchild ignores SIGTERM in a session of its own), that a failing gpu test's report is written as it happens,
 the gpu tests' scripts on the CPU, and its one-line refusal on a machine without a GPU."""
 
@@ -17,9 +17,10 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))
-from gpu_check import (BUDGET_S, DOCTOR_TEST, EXTRA, GPU_ONLY, PARTS, RUN_S, STEPS_START_S, SUMMARY_S,  # noqa: E402
-                       TRAINING, merge_records, plan_part)
+from gpu_check import merge_records  # noqa: E402
 from gpu_goals import GOALS, goal_rows, summary  # noqa: E402
+from gpu_plan import (BUDGET_S, DOCTOR_TEST, EXTRA, GPU_ONLY, MODELS, PARTS, STEPS_START_S, SUMMARY_S,  # noqa: E402
+                      TRAINING, plan_part, run_seconds)
 
 
 def _record(model, variant, step, peak=None, status="ok", note=""):
@@ -77,26 +78,25 @@ def test_a_deadline_runs_what_fits_in_order_and_a_second_command_runs_only_the_r
     state = {"parts": {}, "records": [], "layer": []}
     headline = PART["1B-3L headline"]
     tests = PART["gpu tests"].seconds
-    # two of the four 1B-3L runs fit: the first two, dense first
-    left = STEPS_START_S + 2 * RUN_S["1B-3L"] + 1
-    assert plan_part(headline, state, left) == (("dense", "stem_1_3_resident_lazy"), "")
+    dense = run_seconds("1B-3L", "dense")
+    # two of the three 1B-3L runs fit: the first two, dense first
+    left = headline.planned(HEADLINE[:2]) + 1
+    assert plan_part(headline, state, left) == (HEADLINE[:2], "")
     assert plan_part(headline, state, left - 2)[0] == ("dense",)  # the part's own start counts
-    assert plan_part(headline, state, STEPS_START_S + RUN_S["1B-3L"] - 1) == (
-        None, f"not run: {STEPS_START_S + RUN_S['1B-3L'] - 1} s left, a run needs about {RUN_S['1B-3L']} s")
+    assert plan_part(headline, state, STEPS_START_S + dense - 1) == (
+        None, f"not run: {STEPS_START_S + dense - 1} s left, its first run needs about {dense} s")
     assert plan_part(PART["gpu tests"], state, 30.0) == (None, f"not run: 30 s left, it needs about {tests} s")
     assert plan_part(PART["gpu tests"], state, None) == ((), "")
     # what the first command measured (one run stopped by the deadline counts as not run)
     merge_records(state, [_record("1B-3L", "dense", 2.0), _record("1B-3L", "stem_1_3_resident_lazy", None,
                                                                   status="not run", note="50 s left before --until")])
     state["parts"]["gpu tests"] = {"status": "exit 1", "seconds": 100.0, "planned": tests}
-    assert plan_part(headline, state, None) == (
-        ("stem_1_3_resident_lazy", "stem_1_3_host_lazy", "stem_full_resident_lazy"), "")
+    assert plan_part(headline, state, None) == (("stem_1_3_resident_lazy", "stem_1_3_host_lazy"), "")
     assert plan_part(PART["gpu tests"], state, None) == (None, "ran earlier")  # a failure is not rerun
-    merge_records(state, [_record("1B-3L", "stem_1_3_resident_lazy", 1.8), _record("1B-3L", "stem_1_3_host_lazy", 1.9),
-                          _record("1B-3L", "stem_full_resident_lazy", 1.7)])
+    merge_records(state, [_record("1B-3L", "stem_1_3_resident_lazy", 1.8), _record("1B-3L", "stem_1_3_host_lazy", 1.9)])
     assert plan_part(headline, state, None) == (None, "ran earlier")
     assert [(r["variant"], r["step_time_s"]) for r in state["records"]] == [
-        ("dense", 2.0), ("stem_1_3_resident_lazy", 1.8), ("stem_1_3_host_lazy", 1.9), ("stem_full_resident_lazy", 1.7)]
+        ("dense", 2.0), ("stem_1_3_resident_lazy", 1.8), ("stem_1_3_host_lazy", 1.9)]
 
 
 class _Clock:
@@ -112,110 +112,167 @@ class _Clock:
         return self.now
 
 
-def test_two_commands_in_one_lease_measure_everything_once_and_return_what_a_lease_can(tmp_path, monkeypatch):
-    """main() with its parts stood in for (each takes its planned seconds and writes what its command would): the
-    first command, as docs/gpu.md's (480 s from the start, the setup taking its planned seconds before this script),
-    runs the default plan whole; the second (--resume --all) runs what else fits its 600 s in order and leaves the
-    rest with why; OUT holds at most 8 files, and the summary every figure of both."""
+class _Exec(Exception):
+    """os.execv stood in for: the command line the script goes on with under the venv's Python."""
+
+
+GOLDEN_LINE = "golden stem_1_3_host: 40 steps, max |dloss| 0.012 <= 0.05, ok"
+
+
+def _stand_ins(monkeypatch, clock, ran, setup_rc=0):
+    """main()'s parts stood in for: each takes its planned seconds and writes what its command would."""
     import gpu_check
 
-    import stem_megatron.doctor.cuda
-
-    clock = _Clock()
+    gpu_prechecks = gpu_check.gpu_prechecks  # as gpu_check imports it (tools.gpu_prechecks)
     monkeypatch.setattr(gpu_check, "time", clock)
     monkeypatch.setattr(gpu_check, "take_charge", lambda: None)  # not this pytest process (the stand-in test's)
-    monkeypatch.setattr(stem_megatron.doctor.cuda, "nvidia_smi_gpus", lambda: ["H100"])
-    ran = []
+    monkeypatch.setattr(gpu_prechecks, "gpus", lambda: 1)
+    monkeypatch.setattr(gpu_prechecks, "checks", lambda shm, **_: [("ok", "GPU", "1 listed by nvidia-smi"),
+                                                                    ("ok", "/dev/shm", f"{shm} B needed")])
+
+    def execv(python, argv):
+        raise _Exec(argv)
+
+    monkeypatch.setattr(gpu_check.os, "execv", execv)
 
     def step(name, cmd, log, timeout):
         part = PART[name]
-        ran.append((name, tuple(cmd[cmd.index("--variants") + 1].split(",")) if "--variants" in cmd else ()))
-        assert timeout <= until - clock.now + 20  # stopped by the deadline at the latest
+        variants = tuple(cmd[cmd.index("--variants") + 1].split(",")) if "--variants" in cmd else ()
+        ran.append((name, variants))
         if part.kind == "steps":  # whose runs stop themselves by then
-            assert float(cmd[cmd.index("--until") + 1]) <= until
+            assert float(cmd[cmd.index("--until") + 1]) <= clock.until
         if part.kind == "tests":
             assert cmd[-len(part.tests):] == [f"tests/test_gpu.py::{test}" for test in part.tests]
-        clock.now += part.seconds if part.kind != "steps" else STEPS_START_S + RUN_S[part.model] * len(ran[-1][1])
-        assert clock.now <= until  # it fitted
+        clock.now += part.planned(variants or None)
+        assert clock.now <= clock.until  # it fitted
         if part.kind == "steps":
-            records = [_record(part.model, v, 1.0 if v == "dense" else 0.9, peak=1e9) for v in ran[-1][1]]
+            records = [_record(part.model, v, 1.0 if v == "dense" else 0.9, peak=1e9) for v in variants]
             Path(cmd[cmd.index("--json") + 1]).write_text(json.dumps({"records": records}))
         if part.kind == "layer":
             Path(cmd[cmd.index("--json") + 1]).write_text(json.dumps(LAYER))
-        log.write_text("log\n")
-        return 0, 1.0
+        with open(log, "a") as out:  # as step appends the part's output
+            out.write(f"{GOLDEN_LINE}\n" if part.kind == "golden" else "log\n")
+        return (setup_rc if part.kind == "setup" else 0), float(part.planned(variants or None))
 
     monkeypatch.setattr(gpu_check, "step", step)
+
+
+def test_two_commands_in_one_lease_measure_everything_once_and_return_what_a_lease_can(tmp_path, monkeypatch):
+    """main() with its parts stood in for: the first command, as docs/gpu.md's (480 s), runs the pre-checks and the
+    setup on the node's Python, goes on under the venv's (os.execv, its command line kept) and runs the default plan
+    whole; the second (--resume --all) runs what else fits its 600 s in order and leaves the rest with why; OUT holds
+    at most 7 files, and the summary every figure of both, the pre-checks and the golden losses."""
+    import gpu_check
+
+    clock, ran = _Clock(), []
+    _stand_ins(monkeypatch, clock, ran)
     work, first, second = tmp_path / "work", tmp_path / "out1", tmp_path / "out2"
-    start = clock.now
-    clock.now += PART["setup"].seconds  # make setup, before the script
-    until = start + 480
-    assert gpu_check.main(["--out", str(first), "--work", str(work), "--until", str(until), "--since",
-                           str(start)]) == 0
-    assert ran == [("gpu tests", ()), ("1B-3L headline", HEADLINE), ("layer", ())]
+    clock.until = clock.now + 480
+    argv = ["--out", str(first), "--work", str(work), "--until", str(clock.until)]
+    with pytest.raises(_Exec) as went_on:
+        gpu_check.main(argv)
+    assert ran == [("setup", ())] and went_on.value.args[0][2:] == [*argv, "--set-up", "--out", str(first)]
+    assert f"| setup | ok | {PART['setup'].seconds} | {PART['setup'].seconds} |" in (first / "summary.md").read_text()
+    assert gpu_check.main(went_on.value.args[0][2:]) == 0
+    assert ran[1:] == [("1B-3L headline", HEADLINE), ("golden losses", ()), ("layer", ())]
     text = (first / "summary.md").read_text()
+    assert text.startswith("pre-checks:\n    ok    GPU: 1 listed by nvidia-smi\n")
     assert f"| setup | ok | {PART['setup'].seconds} | {PART['setup'].seconds} |" in text
     assert "| 1B-3L STEM-1/3 working set, lazy / dense | 0.90x | 1.00x | 0.95x | yes |" in text
     assert "| 1B-3L STEM-1/3 host, lazy Adam / dense | 0.90x | 1.00x | 0.95x | yes |" in text
-    assert "| 1B-3L STEM-full working set, lazy / dense | 0.90x | 0.90x | 0.85x | yes |" in text
+    assert f"- {GOLDEN_LINE}" in text.splitlines()
     assert "| 350M STEM layer / dense FFN, forward + backward | 0.70x | 0.75x | 0.67x | yes |" in text
     assert "STEM-1/3 host / device tables" not in text and "| 1B STEM-1/3" not in text  # --all's, not planned
-    assert "gpu tests, training" not in text
-    assert len(list(first.iterdir())) <= 8
+    assert "gpu tests" not in text and len(list(first.iterdir())) <= 7
     ran.clear()
-    until = clock.now + 600
-    assert gpu_check.main(["--out", str(second), "--work", str(work), "--until", str(until), "--resume",
-                           "--all"]) == 0
-    # 590 s: the training tests (300), 1B-3L's other variants (20 + 4 x 40), and of 350M's headline what its 110 s
-    # hold (20 + 55)
-    assert ran == [("gpu tests, training", ()), ("1B-3L others", PART["1B-3L others"].variants),
-                   ("350M headline", ("dense",))]
+    clock.until = clock.now + 600
+    assert gpu_check.main(["--out", str(second), "--work", str(work), "--until", str(clock.until), "--resume",
+                           "--all", "--set-up"]) == 0
+    # 590 s: the gpu tests (130), 1B-3L's other variants (321), and of 350M's headline what its 139 s hold (20 + 35
+    # + 72)
+    assert ran == [("gpu tests", ()), ("1B-3L others", PART["1B-3L others"].variants),
+                   ("350M headline", ("dense", "stem_1_3_resident_lazy"))]
     saved = json.loads((second / "gpu_step.json").read_text())
     assert sorted((r["model"], r["variant"]) for r in saved["records"]) == sorted(
-        [("1B-3L", v) for v in HEADLINE + PART["1B-3L others"].variants] + [("350M", "dense")])
+        [("1B-3L", v) for v in HEADLINE + PART["1B-3L others"].variants] + [("350M", "dense"),
+                                                                              ("350M", "stem_1_3_resident_lazy")])
     text = (second / "summary.md").read_text()
-    assert "| gpu tests | ok | 1 | 100 |" in text
-    assert "| 1B headline | not run: 35 s left, a run needs about 125 s | - | - |" in text
-    assert "| stem-doctor | not run: 35 s left, it needs about 90 s | - | - |" in text
+    assert "| gpu tests | ok | 130 | 130 |" in text
+    assert "| 1B headline | not run: 12 s left, its first run needs about 43 s | - | - |" in text
+    assert "| stem-doctor | not run: 12 s left, it needs about 90 s | - | - |" in text
     assert "| 1B-3L STEM-1/3 host / device tables | 1.00x | 1.05x | - | yes |" in text
-    assert "| 350M STEM layer / dense FFN, forward + backward | 0.70x | 0.75x | 0.67x | yes |" in text
-    assert len(list(second.iterdir())) <= 8
+    assert "| 350M STEM-1/3 working set, lazy / dense | 0.90x | 1.00x | 0.95x | yes |" in text
+    assert len(list(second.iterdir())) <= 7
 
 
-def test_the_default_plan_fits_seven_minutes_with_its_setup_and_the_dry_run_prints_it(capsys, monkeypatch):
-    """The dry run prints every part with its planned seconds and the total; without --all that total, setup and
-    summary included, is at most 7 minutes; --all appends the rest. It needs no GPU (no nvidia-smi here)."""
+def test_a_failed_setup_leaves_its_cause_in_the_summary_and_goes_no_further(tmp_path, monkeypatch):
+    import gpu_check
+
+    clock, ran = _Clock(), []
+    _stand_ins(monkeypatch, clock, ran, setup_rc=2)
+    clock.until = clock.now + 480
+    assert gpu_check.main(["--out", str(tmp_path / "out"), "--work", str(tmp_path / "work")]) == 1
+    assert ran == [("setup", ())]
+    text = (tmp_path / "out" / "summary.md").read_text()
+    assert "| prechecks | ok |" in text and f"| setup | exit 2 | {PART['setup'].seconds} |" in text
+
+
+def test_the_prechecks_name_what_the_node_lacks_and_its_fix(tmp_path, monkeypatch):
+    """No compiler and no ninja anywhere (an empty PATH, a Python without one beside it, no wheelhouse), and a
+    /dev/shm smaller than the tables: a FAIL for each tool the setup's op build needs, a WARN for torch.compile and
+    /dev/shm naming what fails and the fix."""
+    import gpu_prechecks
+
+    monkeypatch.setenv("PATH", str(tmp_path))
+    for var in ("CC", "CXX"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(gpu_prechecks.sys, "executable", str(tmp_path / "python3"))
+    found = gpu_prechecks.checks(10**18, shm_dir=str(tmp_path), wheelhouse=str(tmp_path))
+    assert gpu_prechecks.fatal(found) == ["GPU", "C++ compiler", "ninja"]
+    lines = gpu_prechecks.lines(found)
+    assert lines[1] == ("FAIL  C++ compiler: none (CXX, c++, g++): the row-Adam op cannot build; install g++ "
+                        "(apt-get install g++) or set CXX")
+    assert lines[3].startswith("WARN  torch.compile: no a C compiler (CC, cc, gcc, clang)")
+    assert lines[4].startswith("WARN  /dev/shm: ") and "enlarge it" in lines[4]
+    (tmp_path / "ninja-1.13.0-py3-none-manylinux_2_28_x86_64.whl").touch()
+    assert gpu_prechecks.checks(0, shm_dir=str(tmp_path), wheelhouse=str(tmp_path))[2][0] == "ok"
+
+
+def test_the_default_plan_fits_seven_minutes_with_its_setup_and_the_dry_run_prints_it(capsys):
+    """The dry run prints every part with its planned seconds, each estimate's arithmetic under it, and the total;
+    without --all that total, setup and summary included, is at most 7 minutes; --all appends the rest. It needs no
+    GPU and no project (the system's Python prints it)."""
     import gpu_check
 
     def printed(argv):
         assert gpu_check.main(["--dry-run", *argv]) == 0
         lines = capsys.readouterr().out.splitlines()
-        return lines, {line[:23].strip(): int(line[23:28]) for line in lines[1:]}
+        return lines, {line[:23].strip(): int(line[23:28]) for line in lines[1:] if line[23:28].strip()}
 
     lines, seconds = printed([])
     assert list(seconds)[:-2] == [p.name for p in PARTS] and list(seconds)[-2:] == ["summary", "total"]
     assert seconds["total"] == sum(v for k, v in seconds.items() if k != "total") <= BUDGET_S == 420
     assert seconds["setup"] == PART["setup"].seconds and seconds["summary"] == SUMMARY_S
-    assert seconds["1B-3L headline"] == STEPS_START_S + 4 * RUN_S["1B-3L"]
-    assert "benchmarks/gpu_step.py 1B-3L: dense, stem_1_3_resident_lazy, stem_1_3_host_lazy, " in lines[3]
+    assert seconds["1B-3L headline"] == STEPS_START_S + sum(run_seconds("1B-3L", v) for v in HEADLINE)
+    stripped = [line.strip() for line in lines]
+    assert ("stem_1_3_resident_lazy: start (23) + 6 steps x 0.7 s (4) + 1.05G table params x 15.2 s/G (16) + "
+            "working set compile (25) = 68") in stripped
+    assert "pip from the wheelhouse 40 s + the row-Adam op build 65 s (first H100 run)" in stripped
     _, everything = printed(["--all"])
     assert list(everything)[:-2] == [p.name for p in PARTS + EXTRA] and everything["total"] > BUDGET_S
-    import stem_megatron.doctor.cuda
-
-    def no_gpu_query():
-        raise AssertionError("the dry run looked for a GPU")
-
-    monkeypatch.setattr(stem_megatron.doctor.cuda, "nvidia_smi_gpus", no_gpu_query)
-    assert printed([])[0] == lines
+    proc = subprocess.run(["/usr/bin/python3", "-I", str(ROOT / "tools" / "gpu_check.py"), "--dry-run"],
+                          capture_output=True, text=True, cwd=ROOT, env={"PATH": "/usr/bin:/bin"}, timeout=60)
+    assert proc.returncode == 0 and proc.stdout.splitlines() == lines, proc.stderr
 
 
 def test_the_parts_run_the_goals_figures_first_and_every_gpu_test_once():
-    """The default plan holds issue 31's step figures at 1B width (STEM-1/3 with a working set and host tables,
-    STEM-full, each against dense) and the layer's; every goal's two runs are in some part of its model; every
-    test of tests/test_gpu.py is in one tests part, the doctor's excepted (the doctor part runs stem-doctor itself);
-    the files a command writes stay within a lease's 8."""
-    assert [p.name for p in PARTS] == ["setup", "gpu tests", "1B-3L headline", "layer"]
-    assert {"dense", "stem_1_3_resident_lazy", "stem_1_3_host_lazy", "stem_full_resident_lazy"} <= set(HEADLINE)
+    """The default plan holds the step figures at 1B width (STEM-1/3 with a working set and host tables against
+    dense), then the golden losses and the layer's figures; every goal's two runs are in some part of its model; every test of
+    tests/test_gpu.py is in one tests part, the doctor's excepted (the doctor part runs stem-doctor itself); the
+    files a command writes stay within a lease's 8."""
+    assert [p.name for p in PARTS] == ["prechecks", "setup", "1B-3L headline", "golden losses", "layer"]
+    assert [p.name for p in EXTRA][:2] == ["gpu tests", "1B-3L others"]
+    assert HEADLINE == ("dense", "stem_1_3_resident_lazy", "stem_1_3_host_lazy")
     runs = {(p.model, v) for p in PARTS + EXTRA if p.kind == "steps" for v in p.variants}
     for figure, model, top, bottom, *_ in GOALS:
         assert {(model, top), (model, bottom)} <= runs, (model, figure)
@@ -227,13 +284,16 @@ def test_the_parts_run_the_goals_figures_first_and_every_gpu_test_once():
 
 def test_every_planned_run_s_tables_fit_the_lent_machine_s_host():
     """The host-table runs the parts plan (STEM layers x V x d_ff fp32 rows and two moments, by the recipes' shapes
-    and the variant's ratio) fit the lent machine's 128 GiB; 1B-3L's build one or two layers' 12.6 GB."""
+    and the variant's ratio) fit the lent machine's 128 GiB; 1B-3L's build one or two layers' 12.6 GB; the plan's
+    shapes are the recipes'."""
     from benchmarks.gpu_step import SHAPES, VARIANTS
 
     from stem_megatron.layer_plan import stem_layer_indices
     from stem_megatron.recipes import compose_run
 
     models = {m.name: compose_run(list(m.overrides)).model for m in SHAPES["paper"].models}
+    assert {name: (m.num_layers, m.vocab_size, m.ffn_hidden_size) for name, m in models.items()} == {
+        name: shape[:3] for name, shape in MODELS.items()}
     tables = {}
     for part in PARTS + EXTRA:
         for variant in part.variants:
@@ -269,15 +329,14 @@ if mode != "exits":
 # gpu_check.main with the stand-in as its one part (stopped after 1 s where it "times out"), a short grace, and a GPU
 # listed (the doctor's module stood in for: no torch to import)
 CHECK = """
-import sys, types
+import sys
 sys.path.insert(0, "tools")
 import gpu_check
 where, mode, stand_in = sys.argv[1:4]
-sys.modules["stem_megatron.doctor.cuda"] = types.SimpleNamespace(nvidia_smi_gpus=lambda: 1)
 gpu_check.GRACE_S = 0.5
 gpu_check.PARTS = (gpu_check.Part("stand-in", "layer", "stand_in.log", 1, 1 if mode == "times out" else 60),)
 gpu_check.command = lambda *args: [sys.executable, "-c", stand_in, where, mode]
-sys.exit(gpu_check.main(["--out", where + "/out", "--work", where + "/work"]))
+sys.exit(gpu_check.main(["--out", where + "/out", "--work", where + "/work", "--set-up"]))
 """
 # gpu_step with the stand-in as its run
 STEP = """

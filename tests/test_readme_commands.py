@@ -104,6 +104,12 @@ RUNS = {
                             "test_two_commands_in_one_lease_measure_everything_once_and_return_what_a_lease_can",
                             "gpu_check.main(")],
     "tools/gpu_goals.py": [("tools/gpu_check.py", None, "from tools.gpu_goals import")],
+    "tools/golden_losses.py": [("tests/test_golden_losses.py", "test_check_refuses_without_a_gpu_in_one_line",
+                                "golden.main(["),
+                               ("tools/gpu_check.py", None, '"tools/golden_losses.py", "--check"')],
+    "tools/gpu_plan.py": [("tools/gpu_check.py", None, "from tools.gpu_plan import")],
+    "tools/gpu_prechecks.py": [("tests/test_gpu_check.py", "test_the_prechecks_name_what_the_node_lacks_and_its_fix",
+                                "gpu_prechecks.checks(")],
     "tools/slurm_local.sh": [("tests/test_slurm.py", "test_pretrain_script_runs_tiny_cpu_job",  # its slurm fixture
                               '"tools" / "slurm_local.sh"')],
     "tools/test_durations.py": [("tests/test_readme_commands.py", "test_test_durations_writes_each_modules_seconds",

@@ -14,11 +14,12 @@ from stem_megatron import setup_check
 
 ROOT = Path(__file__).resolve().parents[1]
 # imported, never run; stdlib only: study_arms.py by study.py and study_report.py, process_tree.py by gpu_step.py and
-# gpu_check.py, gpu_goals.py by gpu_check.py
-LIBRARIES = {"study_arms.py", "process_tree.py", "gpu_goals.py"}
+# gpu_check.py, gpu_goals.py, gpu_plan.py and gpu_prechecks.py by gpu_check.py
+LIBRARIES = {"study_arms.py", "process_tree.py", "gpu_goals.py", "gpu_plan.py", "gpu_prechecks.py"}
 # run by any Python, they need no project venv: wheelhouse.py builds an offline node's wheelhouse where pip reaches an
-# index; test_durations.py reads a JUnit XML
-STANDALONE = {"wheelhouse.py", "test_durations.py"}
+# index; test_durations.py reads a JUnit XML; gpu_check.py runs its pre-checks and the setup first, then goes on under
+# the venv's Python (which it checks then)
+STANDALONE = {"wheelhouse.py", "test_durations.py", "gpu_check.py"}
 SCRIPTS = sorted(p for p in [*ROOT.glob("benchmarks/*.py"), *ROOT.glob("tools/*.py")]
                  if p.name not in LIBRARIES | STANDALONE)
 EXTRAS = {"eval": ["lm-eval"], "plots": ["matplotlib"], "dashboards": ["wandb-workspaces"],
