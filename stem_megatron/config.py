@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 from omegaconf import OmegaConf
 
-from stem_megatron.data.integrity import DataError, check_indexed_dataset
+from stem_megatron.data.integrity import data_config_problem
 from stem_megatron.layer_plan import RATIOS, VARIANTS, stem_layer_indices
 from stem_megatron.setup_check import corpus_problem
 
@@ -132,6 +132,8 @@ class TrainConfig:
     stop_deadline_s: float = 110.0  # after SIGTERM/SIGUSR1: exit at once if the step and its save take longer
     eval_interval: int = 0  # validation loss every this many steps (0: after the last step only)
     eval_iters: int = 2  # global batches of the validation split per evaluation (0: no validation)
+    max_skipped_steps: int = 10  # a run stops after this many non-finite steps in a row (each skipped, not applied)
+    skip_steps: list = field(default_factory=list)  # steps not trained on, e.g. [2300-2500] (skip_range)
 
 
 @dataclass
@@ -197,6 +199,7 @@ class CheckpointConfig:
     save_interval_min: float = 0.0  # also save once this many minutes passed since the last save (0: not by time)
     save: bool = True  # false: no checkpoint at all, not even after the last step (benchmarks)
     keep: int = 2  # complete checkpoints kept (0: all)
+    keep_every: int = 0  # also keep those whose step is a multiple of this (milestones; 0: none)
     resume: bool = True  # continue from <dir>/latest when it exists
     fallback: bool = True  # a damaged newest checkpoint is reported and the newest intact one used (false: refuse)
     load: Optional[str] = None  # resume from this checkpoint (a step dir or a root with `latest`) instead
@@ -226,30 +229,29 @@ def to_run_config(cfg) -> RunConfig:
     return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(RunConfig), cfg))
 
 
+def skip_range(entry) -> tuple[int, int]:
+    """A ``train.skip_steps`` entry (a step, or ``"first-last"``) as an inclusive range: steps whose batches are not
+    trained on (a rollback past a loss spike); each counts as a skipped step (the schedule advances, nothing is
+    updated)."""
+    first, _, last = str(entry).partition("-")
+    try:
+        first, last = int(first), int(last or first)
+    except ValueError:
+        raise ConfigError(f"train.skip_steps: {entry!r} is not a step or a range first-last (e.g. 2300-2500)") from None
+    _check(1 <= first <= last, "train.skip_steps", f"{entry!r}: a range first-last with 1 <= first <= last")
+    return first, last
+
+
 def _check(ok: bool, field_name: str, message: str) -> None:
     if not ok:
         raise ConfigError(f"{field_name}: {message}")
 
 
 def _validate_data(d: DataConfig) -> None:
-    """Blend shape and weights, and every prefix complete on disk (header and sizes; token ids are
-    checked against the vocabulary when the datasets are built)."""
     problem = corpus_problem(Path(d.dir))
     _check(problem is None, "data.dir", problem)
-    _check(d.blend is None or len(d.blend) > 0, "data.blend", "is empty: give [[weight, prefix], ...] or null")
-    for i, entry in enumerate(d.blend or []):
-        ok = isinstance(entry, (list, tuple)) and len(entry) == 2 and isinstance(entry[1], str)
-        _check(ok, f"data.blend[{i}]", f"{entry!r} is not a [weight, prefix] pair")
-        _check(isinstance(entry[0], (int, float)) and entry[0] > 0, f"data.blend[{i}]",
-               f"weight {entry[0]!r} must be a number > 0")
-    _check(d.valid_samples is None or d.valid_samples >= 1, "data.valid_samples", "must be >= 1 or null")
-    for field_name, prefixes in (("data.blend", [p for _, p in d.train_blend()]),
-                                 ("data.valid_prefixes", d.valid_prefix_paths())):
-        for prefix in prefixes:
-            try:
-                check_indexed_dataset(prefix)
-            except DataError as e:
-                raise ConfigError(f"{field_name}: {e}") from None
+    problem = data_config_problem(d)
+    _check(problem is None, *(problem or ("", "")))
 
 
 def validate(cfg: RunConfig, world_size: int) -> int:
@@ -369,16 +371,16 @@ def validate_layout(cfg: RunConfig, world_size: int) -> int:
            "parallel.use_distributed_optimizer=true (megatron's all-gather of the weights' DP shards)")
     _check(c.save_interval_min >= 0, "checkpoint.save_interval_min", "must be >= 0 (0: not by time)")
     _check(t.stop_deadline_s > 0, "train.stop_deadline_s", "must be > 0 (seconds from a stop signal to exiting)")
-    _check(c.save or t.exit_after_steps is None, "train.exit_after_steps",
-           "stops a job to continue later from its checkpoint, but checkpoint.save=false writes none: set "
-           "checkpoint.save=true")
-    _check(c.keep >= 0, "checkpoint.keep", "must be >= 0 (0: keep every checkpoint)")
-    _check(not c.export or not Path(c.export).exists(), "checkpoint.export",
-           f"{c.export} already exists, and the export after the last step would not replace it: remove it or "
-           "choose another directory")
-    _check(not (c.load and c.init_from), "checkpoint.init_from",
-           "set either checkpoint.load (resume a run) or checkpoint.init_from (start a new run from "
-           "its weights), not both")
+    _check(c.save or t.exit_after_steps is None, "train.exit_after_steps", "stops a job to continue later from its "
+           "checkpoint, but checkpoint.save=false writes none: set checkpoint.save=true")
+    for name, value in (("checkpoint.keep", c.keep), ("checkpoint.keep_every", c.keep_every),
+                        ("train.max_skipped_steps", t.max_skipped_steps)):
+        _check(value >= 0, name, "must be >= 0")
+    [skip_range(entry) for entry in t.skip_steps]  # each entry a step or a range
+    _check(not c.export or not Path(c.export).exists(), "checkpoint.export", f"{c.export} already exists, and the "
+           "export after the last step would not replace it: remove it or choose another directory")
+    _check(not (c.load and c.init_from), "checkpoint.init_from", "set either checkpoint.load (resume a run) or "
+           "checkpoint.init_from (start a new run from its weights), not both")
     _check(not (c.init_from_hf and (c.load or c.init_from)), "checkpoint.init_from_hf",
            "a run starts from one source: set checkpoint.init_from_hf or checkpoint.init_from/load, not both")
     _check(c.init_from or c.load or not c.init_required, "checkpoint.init_from",

@@ -34,7 +34,8 @@ RECIPES = str(Path(__file__).resolve().parent.parent / "recipes")
 
 # what decides a run's training (a run resumed with other values would not continue it); "stem": the flat stem of
 # before issue 54 (config_moves.flat_stem), so a run keeps its directory
-_IGNORED = {"train": ("log_interval", "exit_after_steps", "eval_interval", "eval_iters"),
+_IGNORED = {"train": ("log_interval", "exit_after_steps", "eval_interval", "eval_iters", "max_skipped_steps",
+                      "skip_steps"),
             "stem": ("prefetch_depth", "cache_rows", "shm_dir", "host_memory_gib", "overlap_exchange",
                      "overlap_update", "resident_rows", "calibration_gib")}
 # fields added since runs were first named (issue 53), left out at their defaults: a run keeps its directory

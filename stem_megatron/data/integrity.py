@@ -98,3 +98,26 @@ def check_indexed_dataset(prefix, vocab_size=None) -> int:
             raise DataError(f"{bin_}: {e} (or the dataset was tokenized with another tokenizer: re-run "
                              f"stem-preprocess with this run's tokenizer.json)") from None
     return num_tokens
+
+
+def data_config_problem(data) -> tuple[str, str] | None:
+    """The first problem of a run's ``data`` config (``config.DataConfig``) as (field, message), or None: the blend's
+    shape and weights, and every prefix complete on disk (header and sizes; token ids are checked against the
+    vocabulary when the datasets are built). ``data.dir`` itself is checked by ``setup_check.corpus_problem``."""
+    if data.blend is not None and len(data.blend) == 0:
+        return "data.blend", "is empty: give [[weight, prefix], ...] or null"
+    for i, entry in enumerate(data.blend or []):
+        if not (isinstance(entry, (list, tuple)) and len(entry) == 2 and isinstance(entry[1], str)):
+            return f"data.blend[{i}]", f"{entry!r} is not a [weight, prefix] pair"
+        if not (isinstance(entry[0], (int, float)) and entry[0] > 0):
+            return f"data.blend[{i}]", f"weight {entry[0]!r} must be a number > 0"
+    if data.valid_samples is not None and data.valid_samples < 1:
+        return "data.valid_samples", "must be >= 1 or null"
+    for field_name, prefixes in (("data.blend", [p for _, p in data.train_blend()]),
+                                 ("data.valid_prefixes", data.valid_prefix_paths())):
+        for prefix in prefixes:
+            try:
+                check_indexed_dataset(prefix)
+            except DataError as e:
+                return field_name, str(e)
+    return None
