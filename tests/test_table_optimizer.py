@@ -1,6 +1,7 @@
 """The host tables as a member of megatron's ``ChainedOptimizer`` (training/table_optimizer.py): a step megatron skips
-leaves the tables as they were and stops the next step with its reason, on either tier, instead of leaving the
-prefetch thread waiting for a release that never comes; the chain asks the dense optimizer its norm once a step.
+leaves the tables as they were and releases the next step, on either tier, instead of leaving the prefetch thread
+waiting for a release that never comes (steps not finite: tests/test_nonfinite_steps.py); the chain asks the dense
+optimizer its norm once a step.
 (Their clip: tests/test_stem_clip.py; their updates against device tables: tests/test_host_store.py.)"""
 
 import math
@@ -31,32 +32,30 @@ def _skipped_step(resident_rows):
     trainer.optimizer.config.grad_norm_skip_threshold = 0.0  # every step's norm is above it: megatron skips
     g = torch.Generator().manual_seed(3)
     seqs = [torch.randint(0, MODEL.vocab_size, (MICRO, MODEL.seq_length + 1), generator=g) for _ in range(3)]
-    store, error = trainer.store, None
-    with pytest.raises(FloatingPointError) as raised:
-        with with_rows(iter([{"tokens": s[:, :-1], "labels": s[:, 1:]} for s in seqs]), store, 1) as data:
-            store.settle()
-            before = {layer: store.table(layer) for layer in store.layers}
-            dense = [p.detach().clone() for p in trainer.model.parameters()]
-            record = train_step(trainer, data, 1, MICRO, MODEL.seq_length, MODEL.vocab_size)
-            store.settle()
-            after = {layer: store.table(layer) for layer in store.layers}
-            dense_after = [p.detach().clone() for p in trainer.model.parameters()]
-            train_step(trainer, data, 1, MICRO, MODEL.seq_length, MODEL.vocab_size)
-    error = str(raised.value)
-    return {"skipped": record["update_skipped"], "norms": (record["grad_norm"], record["stem_grad_norm"]),
+    store = trainer.store
+    with with_rows(iter([{"tokens": s[:, :-1], "labels": s[:, 1:]} for s in seqs]), store, 1) as data:
+        store.settle()
+        before = {layer: store.table(layer) for layer in store.layers}
+        dense = [p.detach().clone() for p in trainer.model.parameters()]
+        record = train_step(trainer, data, 1, MICRO, MODEL.seq_length, MODEL.vocab_size)
+        store.settle()
+        after = {layer: store.table(layer) for layer in store.layers}
+        dense_after = [p.detach().clone() for p in trainer.model.parameters()]
+        next_record = train_step(trainer, data, 1, MICRO, MODEL.seq_length, MODEL.vocab_size)
+    return {"skipped": (record["update_skipped"], next_record["update_skipped"]),
+            "norms": (record["grad_norm"], record["stem_grad_norm"]),
             "tables_kept": all(torch.equal(before[k], after[k]) for k in before),
             "dense_kept": all(torch.equal(a, b) for a, b in zip(dense, dense_after)),
-            "steps_done": store.steps_done, "error": error}
+            "steps_done": store.steps_done}
 
 
 @pytest.mark.parametrize("resident_rows", [0, MODEL.vocab_size], ids=["host-tier", "device-tier"])
-def test_a_skipped_update_keeps_the_tables_and_stops_the_next_step(resident_rows):
+def test_a_skipped_update_keeps_the_tables_and_the_next_step_goes_on(resident_rows):
     out = distributed.run(_skipped_step, 1, resident_rows)[0]
-    assert out["skipped"], "grad_norm_skip_threshold=0 should make megatron skip the update"
+    assert out["skipped"] == (True, True), "grad_norm_skip_threshold=0 should make megatron skip every update"
     assert out["norms"][0] > 0 and out["norms"][1] > 0
     assert out["tables_kept"] and out["dense_kept"], "a skipped step changed the weights"
     assert out["steps_done"] == 0
-    assert "step 1 was not applied" in out["error"] and "grad_norm_skip_threshold" in out["error"]
 
 
 def _norms_of_a_step():

@@ -4,11 +4,12 @@
 ``RowPipeline``, the schedule's data iterator: its prefetch thread reads a step's micro-batches, checks their ids and
 announces them (``next_ids``); with a working set at DP > 1 it plans the step too (``tier.plan_ahead``, on groups only
 it issues on, once the step before has begun) and loads the rows it owns beside the step before (``tier.preload``).
-The training thread makes the announced rows readable (the step before's ``step``; for the first step, entering the
+The training thread makes the announced rows readable (the step before's end; for the first step, entering the
 pipeline) and ``release``s them; only then are they fetched (``tier.fetch``) as ``batch["stem"]``, so rows read in
 step s+1 reflect step s. A step begins when the schedule takes its first micro-batch and ends in ``step``: the rows
-updated (``tier.update``, its later part on the Adam thread: ``RowUpdates``) and the next step released. A worker
-exception is re-raised in the training thread with the original as its cause.
+updated (``tier.update``, its later part on the Adam thread: ``RowUpdates``) and the next step released; or, a step not
+applied, in ``skip``: nothing updated. A worker exception is re-raised in the training thread with the original as its
+cause.
 
 Collectives: every one of a step is issued on the training thread (or inside backward, by ``RowGradients``' hooks),
 in one order on every rank; the prefetch thread issues only on the planning groups, the Adam thread none.
@@ -28,7 +29,7 @@ import queue
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Callable, Iterator, Optional
+from typing import Callable, Iterator, NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
@@ -141,10 +142,10 @@ class RowGradients:
 
 
 class RowUpdates:
-    """Runs a step's CPU Adam in two parts on one "stem-adam" thread: ``now`` waits for its part, ``later``
-    (with ``overlapped``; else it waits too) returns at once and ``settle`` waits for it. The thread runs
-    the kernel with ``threads`` OpenMP threads of its own, whatever the training thread's count, on ``device``
-    (it waits for copies from it)."""
+    """Runs a step's CPU Adam in two parts on one "stem-adam" thread: ``now`` waits for its part, ``later`` (with
+    ``overlapped``; else it waits too) returns at once and ``settle`` waits for it. The thread runs the kernel with
+    ``threads`` OpenMP threads of its own, whatever the training thread's count, on ``device`` (it waits for copies
+    from it)."""
 
     def __init__(self, overlap: bool, threads: int, device: torch.device):
         self.overlapped = overlap
@@ -184,9 +185,8 @@ def _timed(work: Callable[[], None]) -> float:
     return time.perf_counter() - start
 
 
-class _Failed:
-    def __init__(self, error: BaseException):
-        self.error = error
+class _Failed(NamedTuple):
+    error: BaseException
 
 
 _END = object()
@@ -206,9 +206,7 @@ class RowPipeline:
         self.wait_s = 0.0
         self._queue: queue.Queue = queue.Queue(maxsize=depth)
         self._announced: queue.Queue = queue.Queue()  # each step's ids, then _END (or _Failed)
-        self._released = threading.Semaphore(0)
-        self._ended = False
-        self._stop = threading.Event()
+        self._released, self._stop, self._ended = threading.Semaphore(0), threading.Event(), False
         self._plans = training and self.tier.begin_planning_ahead()
         self._turns = threading.Condition()  # steps the worker may plan (the first, then one per begun step)
         self._permitted, self._planned, self._taken, self._over = 1, 0, 0, False  # steps: may plan, planned, taken
@@ -219,14 +217,9 @@ class RowPipeline:
         self._thread.start()
 
     def __enter__(self) -> RowPipeline:
-        """The first step's rows readable: made current in the node's copy, and admitted where the tier reads them (a
-        collective: every rank enters together). Each training step does it for the next (``step``)."""
+        """The first step's rows readable, as each step readies the next (a collective: every rank enters together)."""
         try:
-            ids = self.next_ids()
-            self.store.refresh(ids)
-            if self.training:
-                self.tier.admit(ids)
-            self.release()
+            self.skip()  # as a step not applied readies the next
         except BaseException as error:
             self.__exit__(type(error), error, error.__traceback__)
             raise
@@ -258,14 +251,22 @@ class RowPipeline:
 
     def step(self, lr: float) -> None:
         """The rows updated at ``lr`` (the Adam step after the store's last), those the next step reads first, the
-        next step's rows made readable where the tier reads them, the rest beside it (``RowUpdates``); then the next
-        step released to the prefetch thread."""
+        next step's rows made readable where the tier reads them, the rest beside it (``RowUpdates``); then released."""
         next_ids, store = self.next_ids(), self.store
         store.updates.settle()  # this rank's rows and moments: no other rank writes them
         step = store.steps_done + 1
         later = self.tier.update(step, lr, self._grads, next_ids)
         store.steps_done, self._grads = step, {}
         store.updates.later(later)
+        self.release()
+
+    def skip(self) -> None:
+        """The step ends without an update (not finite, or ``train.skip_steps``): every row and moment as it was, the
+        next step's rows made current in the node's copy, admitted where the tier reads them (collective), released."""
+        self._grads, ids = {}, self.next_ids()
+        self.store.refresh(ids)
+        if self.training:
+            self.tier.admit(ids)
         self.release()
 
     def _begin(self) -> None:

@@ -15,6 +15,7 @@ from stem_megatron.training.components.checkpointer import Checkpointer
 from stem_megatron.training.components.exporter import Exporter
 from stem_megatron.training.components.loss_spikes import LossSpikes
 from stem_megatron.training.components.probes import Probes
+from stem_megatron.training.components.skipped_steps import SkippedSteps
 from stem_megatron.training.components.step_log import StepLog
 from stem_megatron.training.components.step_meter import StepMeter
 from stem_megatron.training.components.validator import Validator
@@ -52,21 +53,24 @@ def _train(cfg: RunConfig, dp: int) -> list[dict]:
     say_start(cfg)
     signals = StopSignals(t.stop_deadline_s, dist.new_group(backend="gloo"))  # every rank, here: a collective
     state = TrainState.resuming(t, resumed)
-    probes, meter, records = Probes(cfg), StepMeter(cfg, trainer, state.last), []
+    probes, meter, skips, records = Probes(cfg), StepMeter(cfg, trainer, state.last), SkippedSteps(cfg), []
     n_micro = t.global_batch_size // (t.micro_batch_size * dp)
     with signals, StepLog(cfg, resumed) as step_log, batch_stream(
             train_data, cfg, dp, trainer.store, n_micro, start_step=resumed, steps=state.last - resumed) as data:
         for step in state.steps():
             start = time.perf_counter()
             with probes.around(step):
-                out = train_step(trainer, data, n_micro, t.micro_batch_size, m.seq_length, m.vocab_size)
+                out = train_step(trainer, data, n_micro, t.micro_batch_size, m.seq_length, m.vocab_size,
+                                 skip=skips.told(step))
             record = meter.record(step, out, time.perf_counter() - start, data)
+            record.update(skips.count(record))
             record.update(spikes.check(record))
             record.update(validator.validate(trainer, step))
             records.append(record)
             decided = signals.decided()  # the previous step's exchange (a collective): one answer on every rank
             spikes.say(record)
             step_log.log(record, decided)
+            skips.check(record)  # too many steps in a row not finite: the run ends here, on every rank
             saved = checkpointer.save(state, decided)
             if checkpointer.stops(state, decided, saved):
                 break

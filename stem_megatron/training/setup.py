@@ -18,6 +18,7 @@ from stem_megatron.config import RunConfig
 from stem_megatron.host_tables.store import HostRowSource, HostTableStore, build_store
 from stem_megatron.model.gpt import build_gpt, transformer_config
 from stem_megatron.model.stem_mlp import STEM_VARIANTS
+from stem_megatron.training.finite_chain import FiniteChain
 from stem_megatron.training.optim import build_optimizer, build_scheduler, wrap_ddp
 from stem_megatron.training.table_optimizer import TableChain, TableOptimizer
 
@@ -54,7 +55,7 @@ def setup_model(cfg: RunConfig) -> Trainer:
         model.cuda()  # megatron's torch RMSNorm (no TE) is created without a device
     model = wrap_ddp(model, tconfig, cfg.parallel)
     dense = build_optimizer(model, cfg.train, cfg.parallel, bf16=gpu)
-    optimizer = (dense if store is None
+    optimizer = (FiniteChain([dense]) if store is None
                  else TableChain(dense, TableOptimizer(store, dense, cfg.host_tables.clip)))
     scheduler = build_scheduler(optimizer, cfg.train)
     tconfig.finalize_model_grads_func = finalize_model_grads

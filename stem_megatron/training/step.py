@@ -7,6 +7,7 @@ on any stage need them for ``U_l[t]``, the last stage needs the labels.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Iterator
 
 import torch
@@ -78,15 +79,24 @@ def global_mean_loss(losses: list[dict]) -> float:
     return float(local[0] / local[1])
 
 
-def train_step(trainer, data_iterator, num_micro_batches, micro_batch_size, seq_length, vocab_size) -> dict:
+def train_step(trainer, data_iterator, num_micro_batches, micro_batch_size, seq_length, vocab_size,
+               skip: bool = False) -> dict:
     """Zero grads, forward/backward all micro-batches, megatron's optimizer step (DP-reduce, clip, update: with host
-    tables, their rows too, as a member of its chain), advance the LR. The record's norms are before clipping."""
+    tables, their rows too, as a member of its chain), advance the LR. The record's norms are before clipping.
+
+    A step not applied changes no weight, optimizer state, table row or moment, and still advances the LR: one to
+    ``skip`` (``train.skip_steps``: its batches read, as the data position is the step, and not trained on), one whose
+    loss is not finite (the same on every rank: all-reduced) and one whose gradients' norm is not finite
+    (``FiniteChain``). Its record says ``update_skipped``."""
     model, optimizer = trainer.model, trainer.optimizer
     model.zero_grad_buffer()
     optimizer.zero_grad()
     loss = forward_backward(model, data_iterator, num_micro_batches, micro_batch_size, seq_length, vocab_size)
     lr = optimizer.param_groups[0]["lr"]
-    ok, grad_norm, _ = optimizer.step()
+    if skip or not math.isfinite(loss):  # host tables: the step's rows still end; dense gradients: zeroed next step
+        ok, grad_norm, _ = optimizer.skip()
+    else:
+        ok, grad_norm, _ = optimizer.step()
     trainer.scheduler.step(increment=1)
     record = {"loss": loss, "grad_norm": float(grad_norm) if grad_norm is not None else None, "lr": lr,
               "update_skipped": not ok}

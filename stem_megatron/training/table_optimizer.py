@@ -16,9 +16,13 @@ Three things the chain does not do for host rows, done here:
   norms to itself, so ``TableChain`` asks the dense optimizer once and gives its norm to the member (``norm_given``):
   asking it again would be a second pass over the dense gradients and a second all-reduce, and without TE or Apex
   megatron's L2 norm syncs the host once per parameter.
-- A skipped update. The chain skips every member's ``step_with_ready_grads`` on a non-finite gradient or a norm
-  above ``grad_norm_skip_threshold``. The rows' step also releases the next step to the prefetch thread, so the host
-  tables cannot skip one: the next ``zero_grad`` stops the run with the reason instead of waiting forever.
+- A skipped update. The chain skips every member's ``step_with_ready_grads`` where a member finds a gradient that is
+  not finite (the rows': ``prepare_grads``) or the norm is above ``grad_norm_skip_threshold``; ``TableChain`` skips it
+  on a norm that is not finite too (megatron's found-inf skip, which its dense optimizers do only with a loss scaler),
+  and on a step the training loop does not apply (``TableChain.skip``). The rows' step also releases the next step to
+  the prefetch thread, so a step not applied ends in ``skip``: the rows and moments as they were, the next step's rows
+  made readable and released (``RowPipeline.skip``). Every rank takes the same way: the norm and the loss are
+  all-reduced.
 
 The tables' state is checkpointed in its own directory (``checkpoint/host_tables.py``: each node writes its owners'
 rows), so the dense checkpoint keeps the layout megatron gives the dense optimizer alone.
@@ -30,10 +34,11 @@ import math
 from typing import Optional
 
 import torch
-from megatron.core.optimizer import ChainedOptimizer, MegatronOptimizer
+from megatron.core.optimizer import MegatronOptimizer
 from torch.profiler import record_function
 
 from stem_megatron.host_tables.store import HostTableStore
+from stem_megatron.training.finite_chain import FiniteChain
 
 
 class TableOptimizer(MegatronOptimizer):
@@ -49,8 +54,7 @@ class TableOptimizer(MegatronOptimizer):
         # the LR scheduler sets this group's lr as it sets the dense groups'; the rows' decay is the store's
         self._groups = [{"params": [], "lr": dense.config.lr, "weight_decay": dense.config.weight_decay}]
         self.step_record: dict = {}  # the step's norms, for the training loop's record
-        self._stem_sq: Optional[float] = None  # the reduced row gradients' squared norm; None: no step pending
-        self._pending_step: Optional[int] = None  # the step whose gradients were reduced and not yet applied
+        self._stem_sq: Optional[float] = None  # the reduced row gradients' squared norm
 
     @property
     def param_groups(self) -> list[dict]:
@@ -67,7 +71,6 @@ class TableOptimizer(MegatronOptimizer):
         with record_function("stem: reduce row gradients"):  # labels for a profiled step (logging.profile_step)
             self._stem_sq = float(self._pipeline().reduce_gradients())
         self.step_record = {}
-        self._pending_step = self.store.steps_done + 1
         return not math.isfinite(self._stem_sq)
 
     @torch.no_grad()
@@ -106,8 +109,12 @@ class TableOptimizer(MegatronOptimizer):
                 pipeline.scale_gradients(coef)
         with record_function("stem: CPU Adam + refresh"):
             pipeline.step(self.param_groups[0]["lr"])
-        self._stem_sq = self._pending_step = None
         return True
+
+    @torch.no_grad()
+    def skip(self) -> None:
+        """The step not applied: the rows and moments as they were, the next step's rows readable and released."""
+        self._pipeline().skip()
 
     def _pipeline(self):
         if self.store.pipeline is None:
@@ -116,15 +123,7 @@ class TableOptimizer(MegatronOptimizer):
         return self.store.pipeline
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """A new step: the last one's rows must have been updated (see the module's docstring on skipped updates)."""
-        if self._pending_step is not None:
-            reason = ("its STEM row gradients are not finite" if not math.isfinite(self._stem_sq) else
-                      "megatron's optimizer skipped its update (a non-finite dense gradient, or a norm above "
-                      "grad_norm_skip_threshold)")
-            raise FloatingPointError(
-                f"step {self._pending_step} was not applied: {reason}; the host STEM tables cannot skip a step (the "
-                f"next step's rows wait for this one's update). Resume from the last checkpoint with a lower "
-                f"train.lr or train.clip_grad")
+        """Nothing: each step's row gradients are its own (``RowGradients``), let go as the step ends."""
 
     def get_loss_scale(self) -> torch.Tensor:
         return self.dense.get_loss_scale()
@@ -150,12 +149,14 @@ class TableOptimizer(MegatronOptimizer):
         raise TypeError("TableOptimizer is stepped as a member of its TableChain (training/setup.py)")
 
 
-class TableChain(ChainedOptimizer):
+class TableChain(FiniteChain):
     """megatron's chain of the dense optimizer and the tables' member, whose norm asks the dense optimizer once and
-    gives it to the member (``TableOptimizer.norm_given``) rather than have the member ask again."""
+    gives it to the member (``TableOptimizer.norm_given``) rather than have the member ask again; a step whose norm is
+    not finite changes nothing (``FiniteChain``; see the module's docstring on skipped updates)."""
 
     def __init__(self, dense: MegatronOptimizer, tables: TableOptimizer):
         super().__init__([dense, tables])
+        self.tables = tables
 
     @torch.no_grad()
     def get_grad_norm(self) -> float:
@@ -164,4 +165,21 @@ class TableChain(ChainedOptimizer):
         dense, tables = self.chained_optimizers
         dense_norm = dense.get_grad_norm()
         norms = [norm if norm else 0.0 for norm in (dense_norm, tables.norm_given(dense_norm))]
-        return math.sqrt(sum([x**2 for x in norms]))
+        self._norm = math.sqrt(sum([x**2 for x in norms]))
+        return self._norm
+
+    @torch.no_grad()
+    def step(self):
+        """megatron's step; one it does not apply ends in the tables' ``skip``."""
+        applied, norm, zeros = super().step()
+        if not applied:
+            self.tables.skip()
+        return applied, norm, zeros
+
+    @torch.no_grad()
+    def skip(self) -> tuple[bool, None, None]:
+        """``FiniteChain.skip``, the step's row gradients reduced as every step's are (among the step's collectives
+        on every rank), then the tables' ``skip``."""
+        self.tables.prepare_grads()
+        self.tables.skip()
+        return False, None, None

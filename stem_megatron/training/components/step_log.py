@@ -2,7 +2,7 @@
 (``wandb_run.py``, with ``logging.wandb``), given the same records.
 
 A step is kept every ``train.log_interval`` steps, at ``train.steps``, and whenever it holds what a reader looks for:
-a loss spike, a validation, a stop.
+a loss spike, a validation, a stop, a step not applied (``update_skipped``).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ class StepLog:
     def should_log(self, record: dict, decided: Decision) -> bool:
         step = record["step"]
         return (step % self.train.log_interval == 0 or step == self.train.steps or record["loss_spike"]
-                or "valid_loss" in record or decided.stop is not None)
+                or "valid_loss" in record or decided.stop is not None or record.get("update_skipped"))
 
     def log(self, record: dict, decided: Decision) -> None:
         """Keep the step's record where ``should_log``; ``decided``: what every rank learned after it."""
