@@ -11,6 +11,10 @@ Every rank writes its part into the staging directory; then the files are fsynce
 replaces ``latest`` (write, fsync, rename). A run killed at any point leaves ``latest`` naming the
 previous complete checkpoint. Loading re-checks every file's size and CRC32 against the manifest, so
 a truncated or corrupted checkpoint is reported by name instead of loading garbage.
+
+Retention counts the sealed checkpoints up to the one ``latest`` names: that one and the ones before it are the run's
+history. Those after it belong to a branch abandoned by a rollback (``checkpoint.load`` of an earlier step): they are
+left alone, and a save of the same step replaces each.
 """
 
 from __future__ import annotations
@@ -40,9 +44,13 @@ def step_name(step: int) -> str:
     return f"step_{step:06d}"
 
 
+def staging_path(root: Path, step: int) -> Path:
+    return Path(root) / f".tmp-{step_name(step)}"
+
+
 def staging_dir(root: Path, step: int) -> Path:
     """Fresh staging directory for ``step`` (collective: rank 0 clears leftovers, everyone waits)."""
-    tmp = Path(root) / f".tmp-{step_name(step)}"
+    tmp = staging_path(root, step)
     if dist.get_rank() == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
@@ -75,11 +83,8 @@ def _checksums(directory: Path, sync: bool) -> dict[str, list[int]]:
     return {k: v for part in parts for k, v in sorted(part.items())}
 
 
-def commit(staging: Path, step: int, meta: dict, keep: int) -> Path:
-    """Seal the staging directory as ``step_<step>`` and point ``latest`` at it (collective).
-
-    ``keep`` > 0 removes all but the newest ``keep`` complete checkpoints afterwards.
-    """
+def commit(staging: Path, step: int, meta: dict, keep: int, keep_every: int = 0) -> Path:
+    """Seal the staging directory as ``step_<step>`` and point ``latest`` at it (collective), then ``retire``."""
     dist.barrier()  # every rank has written its files
     files = _checksums(staging, sync=True)
     root = staging.parent
@@ -100,11 +105,41 @@ def commit(staging: Path, step: int, meta: dict, keep: int) -> Path:
         write_synced(root / f".{LATEST}.tmp", final.name + "\n")
         os.replace(root / f".{LATEST}.tmp", root / LATEST)
         fsync_dir(root)
-        if keep > 0:
-            for old in complete_checkpoints(root)[:-keep]:
-                shutil.rmtree(old)
+        retire(root, step, keep, keep_every)
     dist.barrier()
     return final
+
+
+def retire(root: Path, latest: int, keep: int, keep_every: int) -> None:
+    """Remove the sealed checkpoints at or before step ``latest`` (the one ``latest`` names) but the newest ``keep``
+    of them (0: all kept) and those whose step is a multiple of ``keep_every`` (milestones); those after it, an
+    abandoned branch, stay."""
+    history = [p for p in complete_checkpoints(root) if step_of(p) <= latest]
+    for old in history[:-keep] if keep > 0 else []:
+        if not (keep_every and step_of(old) % keep_every == 0):
+            shutil.rmtree(old)
+
+
+def step_of(name: str | Path) -> Optional[int]:
+    """The step a checkpoint directory's name says (``step_000020``: 20), None for another name."""
+    match = _STEP_DIR.match(Path(name).name)
+    return int(match.group(1)) if match else None
+
+
+def latest_name(root: Path) -> Optional[str]:
+    """What ``<root>/latest`` names, None without one."""
+    marker = Path(root) / LATEST
+    return marker.read_text().strip() if marker.exists() else None
+
+
+def leftovers(root: Path) -> list[str]:
+    """The names under ``root`` that a run leaves there: ``latest``, ``step_*`` directories (sealed or not) and the
+    staging (``.tmp-step_*``) and swap (``.old-step_*``) directories of saves, sorted."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    return sorted(p.name for p in root.iterdir()
+                  if p.name == LATEST or _STEP_DIR.match(p.name.removeprefix(".tmp-").removeprefix(".old-")))
 
 
 def complete_checkpoints(root: Path) -> list[Path]:
@@ -113,7 +148,7 @@ def complete_checkpoints(root: Path) -> list[Path]:
     if not root.is_dir():
         return []
     found = [p for p in root.iterdir() if p.is_dir() and _STEP_DIR.match(p.name) and (p / MANIFEST).exists()]
-    return sorted(found, key=lambda p: int(_STEP_DIR.match(p.name).group(1)))
+    return sorted(found, key=step_of)
 
 
 def resolve(path: Path) -> Optional[Path]:

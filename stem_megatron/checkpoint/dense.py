@@ -20,6 +20,7 @@ from megatron.core.dist_checkpointing.validation import StrictHandling
 
 from stem_megatron.checkpoint.atomic import CheckpointError
 from stem_megatron.checkpoint.bucket_offsets import unpadded_offsets
+from stem_megatron.child_processes import dies_with_this_process
 from stem_megatron.model.weights import current_weights
 
 # How megatron lays out the state (stored with the checkpoint; loading must request the same).
@@ -42,18 +43,28 @@ def results_manager_start() -> str:
     Spawned (megatron's default), it imports torch to unpickle the first result: ~2 s of a 2-rank CPU run's first save
     (2.3 s, 0.4 s forked). Forked, it has torch already; but CUDA does not support a forked child of a process whose
     CUDA context is up (the child inherits the context's handles and pinned mappings), so a rank that initialised
-    CUDA spawns it: once a run, beside minutes of GPU steps."""
+    CUDA spawns it: once a run, beside minutes of GPU steps. Either way it dies with its rank (``child_processes``)."""
     return "spawn" if torch.cuda.is_initialized() else "fork"
 
 
-def save(model, optimizer, directory: Path) -> None:
-    """Write this rank's shards of the weights and optimizer state (collective; the DP group all-gathers
-    the optimizer state first)."""
-    Path(directory).mkdir(exist_ok=True)
+def state(model, optimizer) -> dict:
+    """This rank's shards of the weights and optimizer state, as ``write`` saves them (collective: the DP group
+    all-gathers the optimizer state)."""
     current_weights(model)
-    get_write_results_queue(results_manager_start())
-    dist_checkpointing.save(_sharded(model, optimizer, is_loading=False), str(directory),
-                            content_metadata=METADATA)
+    return _sharded(model, optimizer, is_loading=False)
+
+
+def write(sharded: dict, directory: Path) -> None:
+    """Write ``state``'s shards (collective)."""
+    Path(directory).mkdir(exist_ok=True)
+    with dies_with_this_process():
+        get_write_results_queue(results_manager_start())
+    dist_checkpointing.save(sharded, str(directory), content_metadata=METADATA)
+
+
+def save(model, optimizer, directory: Path) -> None:
+    """Write this rank's shards of the weights and optimizer state (collective)."""
+    write(state(model, optimizer), directory)
 
 
 def _torch_adams(optimizer):
@@ -78,16 +89,33 @@ def _empty_adam_state(optimizer) -> None:
                                               exp_avg_sq=torch.zeros_like(param))
 
 
+def _as_configured(part, saved_groups: list[dict]) -> list[dict]:
+    """The hyperparameters of ``part``'s param groups, which the caller puts back over the loaded ones: a resume takes
+    lr, betas, eps and weight decay from this run's config (the LR schedule too: ``optim.build_scheduler``), and the
+    loaded ``step`` (FusedAdam's, in the group) stays. megatron pairs each saved group with a current one by the
+    group's settings, ``max_lr`` and ``min_lr`` among them (``param_group_identifier_keys``), so a changed
+    ``train.lr`` or ``min_lr_ratio`` would find no saved group (KeyError in ``load_state_dict``); every group here has
+    the config's lr and min lr (no per-group lr), so ``saved_groups`` are given this run's to pair."""
+    for group in saved_groups:
+        group.update(max_lr=part.config.lr, min_lr=part.config.min_lr)
+    return [{k: v for k, v in group.items() if k not in ("params", "step")} for group in part.optimizer.param_groups]
+
+
 def _load_optimizer(optimizer, state: dict) -> None:
     """megatron's ``optimizer.load_state_dict`` in its two halves, with torch Adam's per-parameter ``step``
     set aside in between: megatron-core's ``load_parameter_state_from_fully_reshardable`` copies every
     tensor of a parameter's optimizer state from the checkpoint's entries, which skip ``step`` (it lives in
     the param groups), so on the torch-Adam fallback it fails with KeyError 'step' (0.16.1, and 0.19.2 in
-    ``_set_main_param_and_optimizer_states``). ``_set_steps`` puts it back."""
+    ``_set_main_param_and_optimizer_states``). ``_set_steps`` puts it back. The hyperparameters stay this run's
+    (``_as_configured``)."""
     parts = getattr(optimizer, "chained_optimizers", [optimizer])
     for part, part_state in zip(parts, [state] if len(parts) == 1 else [state[k] for k in sorted(state)]):
         param_state = part_state.pop("param_state", None)  # None: not the distributed optimizer
-        part.load_state_dict(part_state)  # param groups: lr, betas, step
+        inner_state = part_state.get("optimizer", part_state)  # megatron's FP32Optimizer: torch's state dict itself
+        configured = _as_configured(part, inner_state["param_groups"])
+        part.load_state_dict(part_state)  # param groups: step, and the saved hyperparameters
+        for group, values in zip(part.optimizer.param_groups, configured):
+            group.update(values)
         if param_state is not None:
             for inner in _torch_adams(part):
                 for entry in inner.state.values():

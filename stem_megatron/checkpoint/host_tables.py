@@ -22,11 +22,16 @@ from stem_megatron.checkpoint.atomic import CheckpointError
 from stem_megatron.host_tables.store import CHECKPOINT_KINDS, HostTableStore
 
 
-def save(store: HostTableStore, directory: Path) -> None:
-    """Write this stage's master rows and moments (collective over the world)."""
-    Path(directory).mkdir(exist_ok=True)
+def state(store: HostTableStore) -> dict:
+    """This node's master rows and moments of this stage, as ``save`` writes them, the last step's updates done."""
     store.settle()
-    dist_checkpointing.save(store.sharded_state_dict(), str(directory))
+    return store.sharded_state_dict()
+
+
+def save(sharded: dict, directory: Path) -> None:
+    """Write ``state``'s rows (collective over the world)."""
+    Path(directory).mkdir(exist_ok=True)
+    dist_checkpointing.save(sharded, str(directory))
 
 
 def load(store: HostTableStore, directory: Path, kinds: tuple[str, ...] = CHECKPOINT_KINDS,

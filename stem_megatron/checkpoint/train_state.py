@@ -18,8 +18,6 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
-from stem_megatron.checkpoint.atomic import CheckpointError
-
 
 def coordinates() -> dict:
     return {"pp": parallel_state.get_pipeline_model_parallel_rank(),
@@ -50,12 +48,7 @@ def load(directory: Path, scheduler, detector, saved_layout: dict, layout: dict)
     Under another TP or PP size no saved generators belong to a rank's position: every rank keeps those
     seeded at start (they drive dropout only, which the models here do not use)."""
     state = torch.load(Path(directory) / "train_state.pt", map_location="cpu", weights_only=False)
-    try:
-        scheduler.load_state_dict(state["scheduler"])
-    except AssertionError as error:  # megatron asserts that the schedule is unchanged
-        raise CheckpointError(f"{directory}: {error}. A resumed run keeps its LR schedule: use the saved "
-                              f"train.steps / lr / warmup_ratio / decay_style, or start a new run from these "
-                              f"weights with checkpoint.init_from") from None
+    scheduler.load_state_dict(state["scheduler"])  # its step; the schedule is this run's (optim.build_scheduler)
     detector.load_state_dict(state["spikes"])
     if (saved_layout["tp"], saved_layout["pp"]) != (layout["tp"], layout["pp"]):
         return int(state["step"])

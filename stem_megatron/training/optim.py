@@ -69,7 +69,9 @@ def build_optimizer(model: DistributedDataParallel, train: TrainConfig, parallel
 
 
 def build_scheduler(optimizer, train: TrainConfig) -> OptimizerParamScheduler:
-    """Schedule in optimizer steps; warmup is ``warmup_ratio`` of the run (at least one step)."""
+    """Schedule in optimizer steps; warmup is ``warmup_ratio`` of the run (at least one step). A resume takes the step
+    from the checkpoint and the schedule from this config (megatron's ``override_opt_param_scheduler``), so a changed
+    lr, min lr, warmup, decay style, length or weight decay applies from the resumed step on."""
     warmup = max(1, round(train.warmup_ratio * train.steps))
     return OptimizerParamScheduler(
         optimizer,
@@ -83,4 +85,6 @@ def build_scheduler(optimizer, train: TrainConfig) -> OptimizerParamScheduler:
         end_wd=train.weight_decay,
         wd_incr_steps=train.steps,
         wd_incr_style="constant",
+        use_checkpoint_opt_param_scheduler=False,
+        override_opt_param_scheduler=True,
     )

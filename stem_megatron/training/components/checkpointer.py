@@ -49,8 +49,10 @@ class Checkpointer:
         if found is not None:
             path, manifest = found
             step = checkpoints.load(path, manifest, cfg, self.trainer, self.detector)
+            changed = checkpoints.changes(cfg, manifest)
             if self.rank0:
-                print(f"resumed from {path} after step {step}", flush=True)
+                print(f"resumed from {path} after step {step}"
+                      f"{'; from step ' + str(step + 1) + ': ' + ', '.join(changed) if changed else ''}", flush=True)
             return step
         if cfg.checkpoint.init_from:
             source = resolve(Path(cfg.checkpoint.init_from))
