@@ -7,7 +7,8 @@ its tensors bitwise, the Qwen2 exported so gives transformers' Qwen2 logits in o
 the dense-to-STEM conversion keeps the dense gate and down projections and, with ``from_dense``, fills ``U_l`` with
 ``W_u E[x_l | t]`` as a plain loop over the calibration windows computes it, bitwise the same at DP=2 and in one
 process and whatever the pass's grouping of layers (its sums are fixed-point integers, which have no order); bad
-input is refused in one line.
+input (a truncated shard, a shard the index names but the directory lacks, a NaN weight among them) is refused in one
+line before any process group starts.
 """
 
 import json
@@ -343,6 +344,23 @@ def _errors(corpus, hf_dirs, tmp_path):
     cfg.data.vocab_size = 300
     refusal("tokenizer", cfg)
     refusal("hash_moe", import_config("llama", corpus, llama, variant="hash_moe"))
+    weights = load_file(llama / "model.safetensors")
+    nan = tmp_path / "nan"
+    shutil.copytree(llama, nan)
+    weights["model.layers.2.mlp.up_proj.weight"][5, 7] = float("nan")
+    save_file(weights, nan / "model.safetensors", metadata={"format": "pt"})
+    refusal("nan", import_config("llama", corpus, nan))
+    truncated = tmp_path / "truncated"
+    shutil.copytree(llama, truncated)
+    with open(truncated / "model.safetensors", "r+b") as file:
+        file.truncate((truncated / "model.safetensors").stat().st_size - 1000)
+    refusal("truncated", import_config("llama", corpus, truncated))
+    sharded = tmp_path / "sharded"
+    shutil.copytree(llama, sharded)
+    (sharded / "model.safetensors").rename(sharded / "model-00001-of-00002.safetensors")
+    index = {name: f"model-0000{1 + name.startswith('model.layers.3')}-of-00002.safetensors" for name in weights}
+    (sharded / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": index}))
+    refusal("missing shard", import_config("llama", corpus, sharded))
     return said
 
 
@@ -356,3 +374,10 @@ def test_bad_input_is_one_line(corpus, hf_dirs, tmp_path):
     assert "model.hidden_size=64 model.ffn_hidden_size=96" in said["shape"]
     assert "Hash-MoE's experts have no weights in it: import it as dense or as a STEM variant" in said["hash_moe"]
     assert re.search(r"has a tokenizer of 3\d\d ids, more than the model's vocab_size=300: ", said["tokenizer"])
+    assert said["nan"].endswith("nan has a non-finite weight (NaN or inf) in model.layers.2.mlp.up_proj.weight "
+                                "(model.safetensors): a damaged or diverged save; import a healthy one")
+    assert re.search(r"truncated has a shard model\.safetensors that does not read \(safetensors: .*\): truncated or "
+                     r"damaged; download or save it again$", said["truncated"]), said["truncated"]
+    assert said["missing shard"].endswith("has a model.safetensors.index.json naming 1 shard(s) it lacks "
+                                          "(model-00002-of-00002.safetensors): an incomplete download; fetch the "
+                                          "missing files")

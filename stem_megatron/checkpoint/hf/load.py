@@ -11,7 +11,6 @@ gate and down projections, the up-projection is dropped (kept as ``W_u`` by STEM
 
 from __future__ import annotations
 
-import json
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -20,6 +19,7 @@ import torch.distributed as dist
 
 from stem_megatron.checkpoint.hf.calibration import mean_ffn_inputs
 from stem_megatron.checkpoint.hf.model_config import read_hf_model
+from stem_megatron.checkpoint.hf.shards import shard_files
 from stem_megatron.config import ConfigError, RunConfig
 from stem_megatron.export.hf.tensors import to_megatron
 from stem_megatron.layer_plan import planned_layers
@@ -33,9 +33,7 @@ class HFWeights:
         from safetensors import safe_open
 
         self.directory = directory
-        index = directory / "model.safetensors.index.json"
-        files = (sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file()
-                 else [p.name for p in sorted(directory.glob("*.safetensors"))])
+        files = shard_files(directory)
         self._stack = ExitStack()
         self._where = {}
         for file in files:

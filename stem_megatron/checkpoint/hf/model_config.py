@@ -13,6 +13,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from stem_megatron.checkpoint.hf.shards import shard_problem
 from stem_megatron.config import ConfigError, RunConfig
 
 ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "StemForCausalLM")
@@ -112,8 +113,8 @@ def _tokenizer_vocab(path: Path) -> dict:
 
 def check_hf_import(cfg: RunConfig) -> HFModel:
     """``cfg`` can start from ``checkpoint.init_from_hf``: its model fields are the HF model's (the vocabulary may be
-    padded: ``model.vocab_size`` >= the HF one), its weights are there, its tokenizer fits the model and is the one
-    ``data.dir`` was tokenized with."""
+    padded: ``model.vocab_size`` >= the HF one), its tokenizer fits the model and is the one ``data.dir`` was
+    tokenized with, its weights are there, whole and finite (``shards``)."""
     hf = read_hf_model(cfg.checkpoint.init_from_hf)
     directory, m = hf.directory, cfg.model
     if cfg.stem.variant == "hash_moe":
@@ -141,4 +142,7 @@ def check_hf_import(cfg: RunConfig) -> HFModel:
     if _tokenizer_vocab(Path(cfg.data.dir) / "tokenizer.json") != vocab:
         _fail(directory, f"has another tokenizer than data.dir={cfg.data.dir}: tokenize the data with the model's, "
                          f"stem-preprocess --tokenizer {tokenizer} ...")
+    problem = shard_problem(directory)  # last: it reads every weight
+    if problem:
+        _fail(directory, problem)
     return hf
