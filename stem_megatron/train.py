@@ -5,7 +5,8 @@ typed ``RunConfig`` schema, so a misspelt key or a wrong type fails at compositi
 group starts.
 
 Bad input (a setting, a checkpoint, the data, too little host memory, a run too large for its GPUs' memory) ends
-the run with one line naming the problem and the fix and exit code 1, not a traceback: each of these errors says all
+the run with one line naming the problem and the fix and exit code 1, not a traceback, as do ``train.max_skipped_steps``
+steps in a row that are not finite (the line names the last good checkpoint): each of these errors says all
 a user needs (out of device memory: what the memory plan expected per GPU and the settings that lower it). So does a sweep on
 Hydra's submitit launchers without the `slurm` extra that provides them (Hydra's own error names no package), and a
 key issue 54 moved out of ``stem`` (Hydra's own error names only the key it misses there).
@@ -14,15 +15,26 @@ The module imports nothing heavy until ``main`` runs: a process that the trainin
 ``__main__`` again, this module. Megatron's checkpoint writer spawned one on each rank's first save (its results
 queue's manager), which imported megatron-core and our training code again before the save could go on: on this
 2-core machine a 2-rank run's first save took 10.2 s, 4.2 s with this module light. That manager is forked now
-(``checkpoint/dense.py``); any other spawned child still pays for what this module imports.
+(``checkpoint/dense.py``); any other spawned child still pays for what this module imports, and dies with its rank
+(``child_processes.die_with_parent``).
+
+Before any process group starts, the run directory is this job's and writable (``training/run_dir.py``).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import sys
+import time
+from pathlib import Path
 
 from stem_megatron.setup_check import require_extra
+
+if __name__ == "__mp_main__":  # a child a training process spawned (multiprocessing imports its __main__ again)
+    from stem_megatron.child_processes import die_with_parent
+
+    die_with_parent()
 
 # the launchers hydra-submitit-launcher provides, and ours on top of one (recipes/hydra/launcher/slurm.yaml)
 SUBMITIT_LAUNCHERS = {"submitit_local", "submitit_slurm", "slurm"}
@@ -53,14 +65,17 @@ def train(cfg) -> None:
     from stem_megatron.config import ConfigError, to_run_config
     from stem_megatron.data.integrity import DataError
     from stem_megatron.host_tables.node import HostMemoryError
+    from stem_megatron.training.components.skipped_steps import NotFiniteError
     from stem_megatron.training.device_memory import out_of_memory_in, out_of_memory_message
     from stem_megatron.training.loop import run
+    from stem_megatron.training.run_dir import claimed
 
     run_cfg = None
     try:
         run_cfg = to_run_config(cfg)
-        run(run_cfg)
-    except (ConfigError, CheckpointError, DataError, HostMemoryError) as e:
+        with claimed(run_cfg):
+            run(run_cfg)
+    except (ConfigError, CheckpointError, DataError, HostMemoryError, NotFiniteError) as e:
         report(e)
         sys.exit(1)
     except Exception as e:
@@ -73,12 +88,18 @@ def train(cfg) -> None:
 
 def report(error: Exception) -> None:
     """One line on stderr, from every rank that has the error: the first rank to exit makes torchrun stop the
-    others, so no single rank is sure to get as far as printing."""
+    others, so no single rank is sure to get as far as printing. Under torchrun also its error file's message, which
+    ``python -m stem_megatron.torchrun`` prints as the job's last line."""
     where = f"[rank {os.environ['RANK']}] " if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
+    line = f"{where}error: {error}"
     # one write: the ranks of a node share torchrun's stderr, and print's text and newline could go out as two, the
     # other rank's line between them (seen: "...= 4[rank 1] error: ...")
     sys.stderr.flush()
-    os.write(sys.stderr.fileno(), f"{where}error: {error}\n".encode())
+    os.write(sys.stderr.fileno(), f"{line}\n".encode())
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if error_file:
+        Path(error_file).parent.mkdir(parents=True, exist_ok=True)
+        Path(error_file).write_text(json.dumps({"message": line, "timestamp": int(time.time())}))
 
 
 if __name__ == "__main__":

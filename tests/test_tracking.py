@@ -1,5 +1,5 @@
-"""W&B tracking offline (written, then read back with wandb's own reader), FLOPs/MFU, the dashboard spec
-and the plot tool.
+"""W&B tracking offline (written, then read back with wandb's own reader; a requeued job continuing the run), FLOPs/MFU,
+the dashboard spec and the plot tool.
 
 The W&B run is offline and every W&B address points at a closed local port, so nothing can leave the
 machine; the run is read back with ``wandb leet inspect --json`` (wandb-core's reader of the
@@ -246,3 +246,28 @@ def test_plot_tool_writes_a_png(tmp_path, capsys):
     data = out.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 20_000
     assert plot.run_label(tmp_path / "dense") == "dense" and plot.run_label(tmp_path / "stem") == "stem-1/3"
+
+
+def test_a_requeued_job_continues_the_run_and_a_rollback_says_so(wandb_env, capsys):
+    """Jobs on one run directory as requeues leave it: steps 1-5, then 6-8 (resumed after step 5), then 4-6 (resumed
+    after step 3, an earlier checkpoint): one W&B run id, each job offline in a directory of its own; the third says
+    ``rollback_to_step`` 3 in its history, summary and notes, and in a line; a new run (resumed after 0) a new id."""
+    run_dir, jobs = wandb_env / "requeued", []
+    for resumed, steps in ((None, range(1, 6)), (5, range(6, 9)), (3, range(4, 7)), (0, range(1, 3))):
+        tracker = WandbTracker(run_dir, {}, project="stem-megatron-test", resumed=resumed,
+                               settings={"x_disable_stats": True, "console": "off"})
+        for step in steps:
+            tracker.log({"step": step, "loss": 1.0 / step})
+        jobs.append((tracker.run.id, tracker.run_path))
+        tracker.finish()
+    ids = [run_id for run_id, _ in jobs]
+    assert ids[0] == ids[1] == ids[2] != ids[3] and len({path for _, path in jobs}) == 4
+    said = capsys.readouterr().out
+    assert said.count("rollback") == 1 and (f"W&B run {ids[0]}: resumed after step 3, before its last logged step 8: "
+                                            f"steps 4-8 are logged again") in said
+    summaries = [inspect_offline_run(path, summary=True) for _, path in jobs[1:3]]
+    assert "rollback_to_step" not in summaries[0]["summary"] and summaries[1]["summary"]["rollback_to_step"] == 3
+    assert summaries[1]["notes"] == "rolled back to step 3 after step 8. "
+    history = [r["history"]["item"] for r in inspect_offline_run(jobs[2][1]) if r.get("type") == "history"]
+    assert [(h["_step"], h.get("rollback_to_step")) for h in history] == [(4, 3), (5, None), (6, None)]
+    assert json.loads((run_dir / "wandb_run.json").read_text()) == {"id": ids[3], "last_step": 2}

@@ -5,6 +5,11 @@ a no-op). It is offline by default: the run is written under ``<run_dir>/wandb/o
 uploaded later with ``wandb sync`` (see ``docs/tracking.md``); nothing reaches the network unless
 ``mode="online"``. wandb is imported only when the tracker is enabled. Throughput and MFU live in
 ``stem_megatron.flops.mfu``.
+
+One run directory is one W&B run: its id and last logged step live in ``<run_dir>/wandb_run.json``, so a requeued or
+resumed job continues that run (``resume="allow"``; offline, each job writes a directory of the same id). A job that
+logs a step the run has logged already (resumed from an earlier checkpoint: a rollback) says so: ``rollback_to_step``
+in the history and summary, and in the run's notes. W&B's rewind (``resume_from``) works online only.
 """
 
 from __future__ import annotations
@@ -13,12 +18,15 @@ import json
 import math
 import numbers
 import os
+import secrets
+import string
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Optional
 
 MAX_HISTOGRAM_BINS = 512  # wandb.Histogram's limit
+RUN_FILE = "wandb_run.json"  # in the run directory: the W&B run's id and last logged step
 
 
 def default_run_name(config: Mapping) -> str:
@@ -43,7 +51,9 @@ class WandbTracker:
     def __init__(self, run_dir: str | os.PathLike, config_dict: Mapping, project: str = "stem-megatron",
                  mode: str = "offline", name: Optional[str] = None, tags: Iterable[str] = (),
                  enabled: bool = True, entity: Optional[str] = None, group: Optional[str] = None,
-                 settings: Optional[Mapping] = None):
+                 settings: Optional[Mapping] = None, resumed: Optional[int] = None):
+        """``resumed``: the step the job resumed after (0: a new run, whose W&B run is new too); None: unknown, the
+        directory's W&B run continues and a rollback goes back to before its first logged step."""
         if mode not in ("offline", "online", "disabled"):
             raise ValueError(f"wandb mode {mode!r} is not 'offline', 'online' or 'disabled'")
         self.enabled = enabled and mode != "disabled"
@@ -58,13 +68,39 @@ class WandbTracker:
 
         self._wandb = wandb
         Path(run_dir).mkdir(parents=True, exist_ok=True)
+        self._file = Path(run_dir) / RUN_FILE
+        before = json.loads(self._file.read_text()) if self._file.is_file() and resumed != 0 else {}
+        self._id = before.get("id") or "".join(secrets.choice(string.ascii_lowercase + string.digits) for _ in range(8))
+        self._logged_before, self._resumed = before.get("last_step"), resumed
         self.run = wandb.init(
             dir=str(run_dir), mode=mode, project=project, entity=entity, group=group,
             name=name or default_run_name(config_dict), tags=list(tags) or None,
-            config=_jsonable(config_dict),
+            config=_jsonable(config_dict), id=self._id, resume="allow",
             settings=wandb.Settings(reinit="create_new", **dict(settings or {})),
         )
         self._run_path = Path(self.run.dir).parent
+        self._save_run_file()
+
+    def _save_run_file(self) -> None:
+        """``wandb_run.json``: the id and the run's highest logged step (replaced whole: a job killed mid-write leaves
+        the previous file)."""
+        last = max((s for s in (self._last_step, self._logged_before) if s is not None), default=None)
+        part = self._file.with_suffix(".part")
+        part.write_text(json.dumps({"id": self._id, "last_step": last}) + "\n")
+        os.replace(part, self._file)
+
+    def _rollback(self, step: int) -> Optional[int]:
+        """At this job's first logged ``step``: the step it went back to when the W&B run has logged ``step``
+        already, else None."""
+        if self._last_step is not None or self._logged_before is None or step > self._logged_before:
+            return None
+        back = self._resumed if self._resumed is not None else step - 1
+        self.run.summary["rollback_to_step"] = back
+        self.run.notes = f"{self.run.notes or ''}rolled back to step {back} after step {self._logged_before}. "
+        print(f"W&B run {self._id}: resumed after step {back}, before its last logged step {self._logged_before}: "
+              f"steps {back + 1}-{self._logged_before} are logged again (rollback_to_step in its history and summary; "
+              f"metrics.jsonl holds this job's)", flush=True)
+        return back
 
     @property
     def run_path(self) -> Optional[Path]:
@@ -75,7 +111,8 @@ class WandbTracker:
         if not self.enabled:
             return
         step = int(record["step"])
-        data: dict[str, Any] = {}
+        back = self._rollback(step)
+        data: dict[str, Any] = {} if back is None else {"rollback_to_step": back}
         for key, value in record.items():
             if key == "step" or value is None:
                 continue
@@ -97,6 +134,7 @@ class WandbTracker:
                                 "size": record.get("loss_spike_size")})
         self.run.log(data, step=step)
         self._last_step = step
+        self._save_run_file()
 
     def _histogram(self, key: str, values) -> Any:
         if not values or not all(isinstance(v, numbers.Real) and not isinstance(v, bool) for v in values):

@@ -27,7 +27,7 @@ class StepLog:
         self.writer = MetricsWriter(cfg.out_dir, rank0, cfg.train.steps, resume_step=resumed)
         self.tracker = WandbTracker(cfg.out_dir, dataclasses.asdict(cfg), project=lg.project, mode=lg.wandb_mode,
                                     name=lg.run_name, tags=lg.tags, entity=lg.entity, group=lg.group,
-                                    enabled=rank0 and lg.wandb)
+                                    enabled=rank0 and lg.wandb, resumed=resumed)
 
     def __enter__(self) -> "StepLog":
         return self
