@@ -80,8 +80,13 @@ def offline_run(wandb_env):
     cfg = RunConfig(stem=STEMConfig(variant="stem", ratio="1/3"), out_dir=str(wandb_env / "run"))
     config = dataclasses.asdict(cfg)
     records = _records()
+    checkpoints = wandb_env / "checkpoints"
+    for step in (20, 40, 60):  # sealed ones (a manifest), and one that is not
+        (checkpoints / f"step_{step:06d}").mkdir(parents=True)
+        (checkpoints / f"step_{step:06d}" / ("manifest.json" if step != 40 else "part")).write_text("{}")
     tracker = WandbTracker(cfg.out_dir, config, project="stem-megatron-test", mode="offline",
-                           tags=["test", "stem"], settings={"x_disable_stats": True, "console": "off"})
+                           tags=["test", "stem"], settings={"x_disable_stats": True, "console": "off"},
+                           checkpoints=checkpoints)
     for r in records:
         tracker.log(r)
     path = tracker.run_path
@@ -139,8 +144,11 @@ def test_spike_events_in_summary_and_table(offline_run):
     table = summary["loss_spikes"]
     assert table["_type"] == "table-file" and table["nrows"] == 3
     rows = json.loads((offline_run["path"] / "files" / table["path"]).read_text())
-    assert rows["columns"] == ["step", "loss", "size"]
+    assert rows["columns"] == ["step", "loss", "size", "rollback"]
     by_step = {row[0]: row for row in rows["data"]}
+    sealed = offline_run["path"].parents[2] / "checkpoints" / "step_000020"  # the newest sealed one before each
+    assert [by_step[step][3] for step in flagged] == [
+        f"checkpoint.load={sealed} train.skip_steps=[21-{step}]" for step in flagged]
     assert sorted(by_step) == flagged
     sizes = {r["step"]: r["loss_spike_size"] for r in offline_run["records"] if r["loss_spike"]}
     for step in SPIKE_STEPS:

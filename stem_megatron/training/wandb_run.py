@@ -25,6 +25,8 @@ import sys
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Optional
 
+from stem_megatron.checkpoint.atomic import complete_checkpoints, step_of
+
 MAX_HISTOGRAM_BINS = 512  # wandb.Histogram's limit
 RUN_FILE = "wandb_run.json"  # in the run directory: the W&B run's id and last logged step
 
@@ -43,7 +45,8 @@ class WandbTracker:
     (booleans as 0/1, ``None`` skipped, NaN/inf kept so a diverging run shows), the per-expert load
     ``moe_tokens_per_expert`` as a histogram over the expert index, other numeric lists as a histogram
     of their values. Flagged loss spikes (``loss_spike`` from ``SpikeDetector``) are collected and
-    written at ``finish()`` as the table ``loss_spikes`` (step, loss, size) and in the run summary
+    written at ``finish()`` as the table ``loss_spikes`` (step, loss, size, and the overrides of a rollback past it:
+    ``rollback``) and in the run summary
     (``loss_spike_count``, ``loss_spike_steps``); log every spike step (the loop logs a step when
     ``record["loss_spike"]``) or the table misses the unlogged ones (the count does not).
     """
@@ -51,13 +54,15 @@ class WandbTracker:
     def __init__(self, run_dir: str | os.PathLike, config_dict: Mapping, project: str = "stem-megatron",
                  mode: str = "offline", name: Optional[str] = None, tags: Iterable[str] = (),
                  enabled: bool = True, entity: Optional[str] = None, group: Optional[str] = None,
-                 settings: Optional[Mapping] = None, resumed: Optional[int] = None):
+                 settings: Optional[Mapping] = None, resumed: Optional[int] = None,
+                 checkpoints: Optional[Path] = None):
         """``resumed``: the step the job resumed after (0: a new run, whose W&B run is new too); None: unknown, the
         directory's W&B run continues and a rollback goes back to before its first logged step."""
         if mode not in ("offline", "online", "disabled"):
             raise ValueError(f"wandb mode {mode!r} is not 'offline', 'online' or 'disabled'")
         self.enabled = enabled and mode != "disabled"
         self.run = None
+        self._checkpoints = checkpoints  # the run's checkpoint root: the spike table's rollback column
         self.spikes: list[dict] = []
         self._last_step: Optional[int] = None
         self._spike_count = 0  # the detector's running count (also spikes on steps not logged here)
@@ -154,12 +159,21 @@ class WandbTracker:
         self.run.summary["loss_spike_count"] = max(self._spike_count, len(self.spikes))
         self.run.summary["loss_spike_steps"] = [s["step"] for s in self.spikes]
         if self.spikes:
-            table = wandb.Table(columns=["step", "loss", "size"],
-                                data=[[s["step"], s["loss"], s["size"]] for s in self.spikes])
+            table = wandb.Table(columns=["step", "loss", "size", "rollback"],
+                                data=[[s["step"], s["loss"], s["size"], self.rollback(s["step"])]
+                                      for s in self.spikes])
             self.run.log({"loss_spikes": table}, step=self._last_step)
         self.run.finish(exit_code=exit_code)
         self.run = None
         self.enabled = False
+
+    def rollback(self, step: int) -> str:
+        """The usual recovery from a spike at ``step`` (PaLM, OLMo), as overrides: back to the newest sealed checkpoint
+        before it, the batches from there to the spike skipped; "" without one."""
+        before = [p for p in complete_checkpoints(self._checkpoints) if step_of(p) < step] if self._checkpoints else []
+        if not before:
+            return ""
+        return f"checkpoint.load={before[-1]} train.skip_steps=[{step_of(before[-1]) + 1}-{step}]"
 
     def __enter__(self) -> "WandbTracker":
         return self

@@ -11,6 +11,7 @@ import dataclasses
 
 import torch.distributed as dist
 
+from stem_megatron.checkpoint.manager import root_dir
 from stem_megatron.config import RunConfig
 from stem_megatron.training.metrics_file import MetricsWriter
 from stem_megatron.training.preemption import Decision
@@ -27,7 +28,7 @@ class StepLog:
         self.writer = MetricsWriter(cfg.out_dir, rank0, cfg.train.steps, resume_step=resumed)
         self.tracker = WandbTracker(cfg.out_dir, dataclasses.asdict(cfg), project=lg.project, mode=lg.wandb_mode,
                                     name=lg.run_name, tags=lg.tags, entity=lg.entity, group=lg.group,
-                                    enabled=rank0 and lg.wandb, resumed=resumed)
+                                    enabled=rank0 and lg.wandb, resumed=resumed, checkpoints=root_dir(cfg))
 
     def __enter__(self) -> "StepLog":
         return self
