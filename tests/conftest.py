@@ -18,7 +18,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 _VISIBLE = os.environ.get("CUDA_VISIBLE_DEVICES")
 os.environ["CUDA_VISIBLE_DEVICES"] = ""  # before anything imports torch
 
-from stem_megatron.doctor.cuda import nvidia_smi_gpus  # noqa: E402 - after hiding the GPUs from torch
+from stem_megatron.doctor.nvidia_smi import nvidia_smi_gpus  # noqa: E402 - after hiding the GPUs from torch
 
 GPUS = nvidia_smi_gpus()  # the driver's list: nvidia-smi does not read CUDA_VISIBLE_DEVICES
 

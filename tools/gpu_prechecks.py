@@ -1,5 +1,5 @@
-"""What a GPU node lacks, found in seconds before ``make gpu-check`` spends its minutes (stdlib only: the node's Python
-runs it before any setup). One line a check, a FAIL or WARN naming its fix:
+"""What a GPU node lacks, found in seconds before ``make gpu-check`` spends its minutes (the standard library and the
+package's stdlib-only ``doctor/nvidia_smi.py``: the node's Python runs it before any setup). One line a check, a FAIL or WARN naming its fix:
 
 - a GPU the driver lists (``nvidia-smi -L``): nothing else runs without one;
 - a C++ compiler (``CXX``, ``c++``, ``g++``) and ``ninja`` (on PATH, beside this Python, or a wheel in the wheelhouse):
@@ -14,24 +14,14 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
 import sys
 import sysconfig
 from pathlib import Path
 
+from stem_megatron.doctor.nvidia_smi import nvidia_smi_gpus as gpus
+
 SHM_BYTES_PER_PARAM = 12  # fp32 rows and two fp32 moments in /dev/shm (flops/memory.py's node_shared_bytes)
 OK, WARN, FAIL = "ok", "WARN", "FAIL"
-
-
-def gpus() -> int:
-    """GPUs the driver lists; 0 without a driver."""
-    if shutil.which("nvidia-smi") is None:
-        return 0
-    try:
-        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30).stdout
-    except (OSError, subprocess.SubprocessError):
-        return 0
-    return sum(line.startswith("GPU ") for line in out.splitlines())
 
 
 def _first(env: str, names: tuple[str, ...]) -> str | None:

@@ -7,24 +7,13 @@ of torch (and no Transformer Engine) into the venv the compute nodes share.
 from __future__ import annotations
 
 import os
-import shutil
-import subprocess
 from typing import Optional
 
 import torch
 
+from stem_megatron.doctor.nvidia_smi import nvidia_smi_gpus
+
 SETUP_ON_GPU_NODE = "srun -N1 --gpus-per-node=1 make setup STEM_DEVICE=gpu"
-
-
-def nvidia_smi_gpus() -> int:
-    """GPUs the driver lists (``nvidia-smi -L``); 0 without a driver."""
-    if shutil.which("nvidia-smi") is None:
-        return 0
-    try:
-        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=60).stdout
-    except (OSError, subprocess.SubprocessError):
-        return 0
-    return sum(line.startswith("GPU ") for line in out.splitlines())
 
 
 def gpu_count() -> int:
