@@ -223,17 +223,17 @@ def _resume_with_fused_adam(directory):
     data = batches()
     for _ in range(2):
         train_step(first, data, 1, 2, SEQ, V)
-    dense.save(first.model, first.optimizer, directory)
+    dense.save(first.model, first.dense_optimizer, directory)  # the dense checkpoint's optimizer, as manager's
     second = setup_model(cfg)
-    dense.load(second.model, second.optimizer, directory, step=2)
+    dense.load(second.model, second.dense_optimizer, directory, step=2)
 
     def state(trainer):
-        inner = trainer.optimizer.optimizer
+        inner = trainer.dense_optimizer.optimizer
         return ([p.detach().clone() for p in trainer.model.parameters()],
                 [{k: v.clone() for k, v in inner.state[p].items()} for pg in inner.param_groups for p in pg["params"]],
                 [pg.get("step") for pg in inner.param_groups])
 
-    return {"inner": type(second.optimizer.optimizer).__name__, "first": state(first), "second": state(second)}
+    return {"inner": type(second.dense_optimizer.optimizer).__name__, "first": state(first), "second": state(second)}
 
 
 @pytest.mark.slow
