@@ -120,6 +120,13 @@ def retire(root: Path, latest: int, keep: int, keep_every: int) -> None:
             shutil.rmtree(old)
 
 
+def newest_before(root: Path, step: int) -> Optional[Path]:
+    """The newest sealed checkpoint under ``root`` from before ``step`` (what a rollback past ``step`` resumes from),
+    None without one."""
+    before = [p for p in complete_checkpoints(root) if step_of(p) < step]
+    return before[-1] if before else None
+
+
 def step_of(name: str | Path) -> Optional[int]:
     """The step a checkpoint directory's name says (``step_000020``: 20), None for another name."""
     match = _STEP_DIR.match(Path(name).name)

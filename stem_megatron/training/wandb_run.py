@@ -25,7 +25,7 @@ import sys
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Optional
 
-from stem_megatron.checkpoint.atomic import complete_checkpoints, step_of
+from stem_megatron.checkpoint.atomic import newest_before, step_of
 
 MAX_HISTOGRAM_BINS = 512  # wandb.Histogram's limit
 RUN_FILE = "wandb_run.json"  # in the run directory: the W&B run's id and last logged step
@@ -170,10 +170,8 @@ class WandbTracker:
     def rollback(self, step: int) -> str:
         """The usual recovery from a spike at ``step`` (PaLM, OLMo), as overrides: back to the newest sealed checkpoint
         before it, the batches from there to the spike skipped; "" without one."""
-        before = [p for p in complete_checkpoints(self._checkpoints) if step_of(p) < step] if self._checkpoints else []
-        if not before:
-            return ""
-        return f"checkpoint.load={before[-1]} train.skip_steps=[{step_of(before[-1]) + 1}-{step}]"
+        last = newest_before(self._checkpoints, step) if self._checkpoints else None
+        return f"checkpoint.load={last} train.skip_steps=[{step_of(last) + 1}-{step}]" if last else ""
 
     def __enter__(self) -> "WandbTracker":
         return self

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from stem_megatron.checkpoint.atomic import complete_checkpoints
+from stem_megatron.checkpoint.atomic import newest_before, step_of
 from stem_megatron.checkpoint.manager import root_dir
 from stem_megatron.config import RunConfig, skip_range
 
@@ -53,21 +53,15 @@ class SkippedSteps:
             return
         said = (f"step {step}: {_span(self.since, step, 'step ', 'steps ')} had a loss or gradients that are not "
                 f"finite ({self.in_row} in a row, train.max_skipped_steps={self.limit}), each skipped; ")
-        sealed = [(_step_of(path), path) for path in complete_checkpoints(self.root) if _step_of(path) < step]
-        if not sealed:
+        last = newest_before(self.root, step)
+        if last is None:
             raise NotFiniteError(said + f"no checkpoint was saved before it: start again with a lower train.lr, or "
                                         f"past these batches with train.skip_steps=[{_span(self.since, step)}]")
-        saved, last = sealed[-1]
         raise NotFiniteError(said + f"the last good checkpoint is {last}: resume from it with a lower train.lr "
                                     f"(checkpoint.load={last} train.lr=...), or past these batches (checkpoint.load="
-                                    f"{last} train.skip_steps=[{_span(max(self.since, saved + 1), step)}])")
+                                    f"{last} train.skip_steps=[{_span(max(self.since, step_of(last) + 1), step)}])")
 
 
 def _span(first: int, last: int, one: str = "", several: str = "") -> str:
     """``first``-``last`` as ``train.skip_steps`` writes it (one step: ``first``), after ``one`` or ``several``."""
     return f"{one}{first}" if first == last else f"{several}{first}-{last}"
-
-
-def _step_of(checkpoint) -> int:
-    """The step of a sealed checkpoint's directory (``step_000020``)."""
-    return int(checkpoint.name.rpartition("_")[2])
