@@ -13,7 +13,8 @@ from pathlib import Path
 
 import numpy as np
 
-from stem_megatron.data.preprocess import expand_inputs, read_documents, write_indexed_dataset
+from stem_megatron.data.documents import expand_inputs, read_documents
+from stem_megatron.data.preprocess import write_indexed_dataset
 from stem_megatron.data.tokenizer import HFTokenizer, train_tokenizer
 
 DEFAULT_SOURCE_DIR = "/usr/share/doc/python3.11/html/_sources"

@@ -1,0 +1,84 @@
+"""A chunk of raw records -> its documents' tokens, each followed by EOD: the work a preprocessing worker does.
+
+Parsing (JSON, UTF-8) and tokenizing happen here, in the worker, so that the reading process stays light and the
+work spreads over every core. A worker tokenizes on its own core (``TOKENIZERS_PARALLELISM=false``: N workers are
+N busy cores, not N thread pools competing); one worker is the preprocessing process itself.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+from tokenizers import Tokenizer
+
+from stem_megatron.child_processes import die_with_parent
+from stem_megatron.data.documents import Chunk
+
+_encoder = None  # this process's (tokenizer, eod id, dtype, text_key), set by ``start``
+
+
+def decode_chunk(chunk: Chunk, text_key: str) -> tuple[list[str], list[str]]:
+    """The chunk's documents as text, and one message for each record that has none (file, record, fix)."""
+    texts, bad = [], []
+    if chunk.fmt == "parquet":
+        for row, text in enumerate(chunk.records.to_pylist(), chunk.first):
+            if text is None:
+                bad.append(f"{chunk.path} row {row}: {text_key!r} is null; --skip-bad skips such rows")
+            else:
+                texts.append(text)
+        return texts, bad
+    if chunk.fmt == "text":
+        try:
+            return [chunk.records[0].decode("utf-8")], bad
+        except UnicodeDecodeError as e:
+            return texts, [f"{chunk.path} is not UTF-8 text ({e}); pass only text files or a --pattern that "
+                           f"excludes it"]
+    for lineno, line in enumerate(chunk.records, chunk.first):
+        if not line.strip():
+            continue
+        where = f"{chunk.path}:{lineno}"
+        try:
+            record = json.loads(line.decode("utf-8"))
+        except UnicodeDecodeError as e:
+            bad.append(f"{where} is not UTF-8 ({e}); --skip-bad skips such records")
+            continue
+        except json.JSONDecodeError as e:
+            bad.append(f"{where} is not a JSON object ({e}); jsonl needs one per line")
+            continue
+        text = record.get(text_key) if isinstance(record, dict) else None
+        if isinstance(text, str):
+            texts.append(text)
+        else:
+            keys = sorted(record) if isinstance(record, dict) else type(record).__name__
+            bad.append(f"{where} has no string field {text_key!r} (found {keys}); choose the field with --text-key")
+    return texts, bad
+
+
+def start(tokenizer_path: str, eod: int, dtype, text_key: str) -> None:
+    """Load the tokenizer into this process (a worker's initializer, or the process itself for one worker)."""
+    global _encoder
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    _encoder = (Tokenizer.from_file(tokenizer_path), eod, dtype, text_key)
+
+
+def start_worker(parent: int, *args) -> None:
+    """A worker process's initializer: it dies with the preprocessing process ``parent``, however that ends."""
+    die_with_parent(parent)
+    start(*args)
+
+
+def encode(chunk: Chunk) -> tuple[np.ndarray, np.ndarray, list[str], int]:
+    """``(tokens, lengths, bad, read)``: the documents' ids, EOD after each, in one array of the dataset's dtype,
+    each document's length, the messages of records without text, and the chunk's input bytes."""
+    tokenizer, eod, dtype, text_key = _encoder
+    texts, bad = decode_chunk(chunk, text_key)
+    ids = [encoding.ids for encoding in tokenizer.encode_batch_fast(texts)]  # no offsets: ids only
+    lengths = np.fromiter((len(doc) + 1 for doc in ids), dtype=np.int64, count=len(ids))
+    tokens = np.empty(int(lengths.sum()), dtype=dtype)
+    ends = np.cumsum(lengths)
+    for doc, end in zip(ids, ends):
+        tokens[end - len(doc) - 1: end - 1] = doc
+    tokens[ends - 1] = eod
+    return tokens, lengths, bad, chunk.read
