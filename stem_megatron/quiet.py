@@ -19,6 +19,8 @@ that raises it; any other warning, ours (e.g. ``cpu_compat``'s version notice) o
 - "torch.distributed is disabled ... assuming the intent is to load in a single process" and "The argument order of
   load has been changed": torch's, on every resume, because megatron's dist-checkpointing load passes
   ``no_dist=True`` (each rank reads its own shards, by design) and its storage reader by position
+- "Could not determine rank from torch.distributed, RANK, or SLURM_PROCID": megatron's rank-0 logging outside a
+  distributed job (stem-preprocess opening the datasets it joins), where rank 0 is what it is
 - log records, by logger and message start: "GPTModel IS DEPRECATED" (megatron-core 0.19 asks new code to use
   ``HybridModel``; ``GPTModel`` is supported and still megatron's GPT, docs/ARCHITECTURE.md), "MCore's async save is
   deprecated" (megatron's synchronous ``dist_checkpointing.save`` runs through its own deprecated async path), and
@@ -49,6 +51,8 @@ _WARNINGS = (  # (message, category, module): regular expressions matched at the
     (r"torch\.distributed is disabled, unavailable or uninitialized, assuming the intent is to load in a single "
      r"process", UserWarning, r"torch\.distributed\.checkpoint\.utils$"),
     (r"The argument order of load has been changed", UserWarning, r"torch\.distributed\.checkpoint\.logger$"),
+    (r"Could not determine rank from torch\.distributed, RANK, or SLURM_PROCID", UserWarning,
+     r"megatron\.core\._rank_utils$"),
 )
 _CPU_ONLY_WARNINGS = (
     (r"When using (async grad allreduce|sequence parallelism) it is recommended to set the environment variable "

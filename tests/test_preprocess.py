@@ -14,7 +14,7 @@ import zstandard
 from stem_megatron.data import documents, preprocess as preprocess_module
 from stem_megatron.data.preprocess import main, merge, preprocess, write_indexed_dataset
 from stem_megatron.data.progress import Progress
-from stem_megatron.data.shards import Part, parse_shard, shard_parts
+from stem_megatron.data.shards import parse_shard, shard_range
 from stem_megatron.data.tokenizer import HFTokenizer
 
 
@@ -179,7 +179,7 @@ def test_shards_default_to_the_slurm_array_and_balance_bytes(monkeypatch):
     assert parse_shard(None) == (4, 8) and parse_shard("3/64") == (3, 64)
     with pytest.raises(ValueError, match="--shard 4/4: I must be in 0..N-1"):
         parse_shard("4/4")
-    parts = [Part(i, (f"f{i}",), (size,)) for i, size in enumerate([10, 10, 10, 10, 40, 10, 5, 5])]
-    assert [[p.index for p in shard_parts(parts, i, 3)] for i in range(3)] == [[0, 1, 2], [3, 4], [5, 6, 7]]
-    with pytest.raises(ValueError, match="the input makes 8 parts, fewer than 9 shards; use at most 8 shards"):
-        shard_parts(parts, 0, 9)
+    sizes = [10, 10, 10, 10, 40, 10, 5, 5]
+    assert [list(shard_range(sizes, i, 3)) for i in range(3)] == [[0, 1, 2], [3, 4], [5, 6, 7]]
+    with pytest.raises(ValueError, match="the input has 8 files, fewer than 9 shards; use at most 8 shards"):
+        shard_range(sizes, 0, 9)

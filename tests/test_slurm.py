@@ -178,3 +178,27 @@ def test_hydra_submitit_launcher_sweeps_on_slurm(slurm, corpus, tmp_path):
         run = tmp_path / f"run-{variant}"
         assert [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]
         assert json.loads((run / "config.json").read_text())["stem"]["ratio"] == ratio
+
+
+def test_preprocess_array_then_merge_equals_one_process(slurm, corpus, tmp_path):
+    """slurm/preprocess.sh as a two-task array (each task its share, --shard from the array), then --merge: the
+    bytes one process writes; the log names the task and its CPUs. (The merge job is the same script without
+    --array: here in this process, a job less.)"""
+    from stem_megatron.data.preprocess import merge, preprocess
+
+    docs = [" ".join(["def", "naïve", "x"] * (i % 17 + 1)) for i in range(120)]
+    (tmp_path / "in").mkdir()
+    for i in range(4):
+        (tmp_path / "in" / f"{i}.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs[i::4]))
+    args = ["--input", str(tmp_path / "in"), "--tokenizer", str(corpus / "tokenizer.json")]
+    script = REPO / "slurm" / "preprocess.sh"
+    array = submit(tmp_path, "--wait", "--array=0-1", "--cpus-per-task=1", "--time=5", str(script), *args,
+                   "--output-prefix", str(tmp_path / "tok" / "train"), timeout=180)
+    logs = sorted((tmp_path / "logs").glob("preprocess-*.out"))
+    assert array.returncode == 0, "\n".join(log.read_text()[-2000:] for log in logs)
+    assert sorted(log.read_text().splitlines()[0].split(" on ")[0] for log in logs) == [
+        "preprocess: task 0 of 2", "preprocess: task 1 of 2"]
+    assert merge(tmp_path / "tok" / "train")["shards"] == 2
+    preprocess([tmp_path / "in"], tmp_path / "one" / "train", corpus / "tokenizer.json")
+    for suffix in (".bin", ".idx"):
+        assert (tmp_path / "tok" / f"train{suffix}").read_bytes() == (tmp_path / "one" / f"train{suffix}").read_bytes()

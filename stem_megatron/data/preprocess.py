@@ -29,7 +29,7 @@ from stem_megatron.data import encode
 from stem_megatron.data.documents import BadInput, Chunk, chunks, expand_inputs, read_documents
 from stem_megatron.data.parts import DatasetWriter, counts, is_complete, recorded_inputs, reusable, write_record
 from stem_megatron.data.progress import Progress
-from stem_megatron.data.shards import PART_MB, Part, default_workers, parse_shard, plan_parts, shard_parts, shard_prefix
+from stem_megatron.data.shards import PART_MB, Part, default_workers, parse_shard, plan_parts, shard_prefix, shard_range
 from stem_megatron.data.tokenizer import HFTokenizer, train_tokenizer
 
 
@@ -196,7 +196,8 @@ def preprocess(inputs, output_prefix, tokenizer=None, vocab_size=None, text_key=
     prefix = Path(output_prefix)
     prefix.parent.mkdir(parents=True, exist_ok=True)
     tokenizer = _tokenizer_for(files, prefix, tokenizer, vocab_size, text_key, shards)
-    mine = shard_parts(plan_parts(files, int(part_mb * 2**20)), shard, shards)
+    files = [files[i] for i in shard_range([path.stat().st_size for path in files], shard, shards)]
+    mine = plan_parts(files, int(part_mb * 2**20))
     out = shard_prefix(prefix, shard, shards)
     made_from = _made_from(mine, tokenizer, text_key, skip_bad)
     summary = {"prefix": str(out), "files": len(made_from["files"]), "tokenizer": str(tokenizer)}
@@ -299,3 +300,7 @@ def _summary(stats: dict) -> str:
     if stats["bad"]:
         line += f"; skipped {stats['bad']:,} bad records or damaged files (first: {stats['first_bad']})"
     return line
+
+
+if __name__ == "__main__":
+    main()

@@ -1,9 +1,9 @@
 """Preprocessing split into parts and shards, the same for any number of workers or nodes.
 
-The sorted input files are grouped into parts: consecutive files of about ``part_bytes`` of input (a bigger file
-is a part alone). A part is the unit of resumption (its tokens are written atomically, so a rerun skips it) and of
-sharding: ``--shard I/N`` takes the I-th of N consecutive runs of parts of about equal input bytes. Consecutive
-runs keep the global document order, so shard outputs joined in shard order (``--merge``) equal one process's.
+``--shard I/N`` takes the I-th of N consecutive runs of the sorted input files, of about equal bytes; consecutive
+runs keep the global document order, so shard outputs joined in shard order (``--merge``) equal one process's. A
+shard's files are grouped into parts: consecutive files of about ``part_bytes`` of input (a bigger file is a part
+alone). A part is the unit of resumption: its tokens are written atomically, so a rerun skips it.
 """
 
 from __future__ import annotations
@@ -42,21 +42,22 @@ def plan_parts(files: list[Path], part_bytes: int) -> list[Part]:
     return parts
 
 
-def shard_parts(parts: list[Part], shard: int, shards: int) -> list[Part]:
-    """The parts of shard ``shard`` of ``shards``: those whose middle byte falls in its ``1/shards`` of the input."""
-    if len(parts) < shards:
-        raise ValueError(f"--shard {shard}/{shards}: the input makes {len(parts)} parts, fewer than {shards} shards; "
-                         f"use at most {len(parts)} shards, or a smaller --part-mb")
-    weights = [max(part.bytes, 1) for part in parts]  # an empty file still counts
+def shard_range(sizes: list[int], shard: int, shards: int) -> range:
+    """The input files (of ``sizes`` bytes, in order) of shard ``shard`` of ``shards``: those whose middle byte falls
+    in its ``1/shards`` of the input, a consecutive run."""
+    if len(sizes) < shards:
+        raise ValueError(f"--shard {shard}/{shards}: the input has {len(sizes)} files, fewer than {shards} shards; "
+                         f"use at most {len(sizes)} shards")
+    weights = [max(size, 1) for size in sizes]  # an empty file still counts
     total, before, mine = sum(weights), 0, []
-    for part, weight in zip(parts, weights):
+    for i, weight in enumerate(weights):
         if min(int((before + weight / 2) * shards / total), shards - 1) == shard:
-            mine.append(part)
+            mine.append(i)
         before += weight
     if not mine:
-        raise ValueError(f"--shard {shard}/{shards}: the input's {len(parts)} parts are too uneven in size to give "
-                         f"every shard one; use fewer shards or a smaller --part-mb")
-    return mine
+        raise ValueError(f"--shard {shard}/{shards}: the input's {len(sizes)} files are too uneven in size to give "
+                         f"every shard one; use fewer shards")
+    return range(mine[0], mine[-1] + 1)
 
 
 def parse_shard(text: str | None) -> tuple[int, int]:
