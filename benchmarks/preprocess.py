@@ -78,7 +78,7 @@ def main(argv=None) -> None:
     parser.add_argument("--workers", type=int, nargs="+", default=[1, len(os.sched_getaffinity(0))])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--zst", action="store_true", help="also from .jsonl.zst (decompression in the reader)")
-    parser.add_argument("--cluster-cores", type=int, default=32 * 96, help="for the 1T-token projection")
+    parser.add_argument("--cluster-cores", type=int, default=16 * 64, help="for the 1T-token projection (16 nodes of 64 cores)")
     args = parser.parse_args(argv)
     docs = documents(args.source_dir, int(args.max_mb * 1e6))
     with tempfile.TemporaryDirectory() as tmp:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 
 import numpy as np
 from tokenizers import Tokenizer
@@ -64,8 +65,10 @@ def start(tokenizer_path: str, eod: int, dtype, text_key: str) -> None:
 
 
 def start_worker(parent: int, *args) -> None:
-    """A worker process's initializer: it dies with the preprocessing process ``parent``, however that ends."""
+    """A worker process's initializer: it dies with the preprocessing process ``parent``, however that ends, and
+    leaves Ctrl-C to it (which stops the pool)."""
     die_with_parent(parent)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     start(*args)
 
 

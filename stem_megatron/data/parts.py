@@ -8,8 +8,10 @@ only if that still holds. Joining is megatron's ``IndexedDatasetBuilder.add_inde
 
 from __future__ import annotations
 
+import glob
 import json
 import os
+import socket
 from pathlib import Path
 
 import numpy as np
@@ -29,7 +31,14 @@ def is_complete(prefix: Path) -> bool:
 
 
 def _temporary(prefix: Path) -> Path:
-    return prefix.with_name(f".{prefix.name}.tmp-{os.getpid()}")
+    """A name beside ``prefix`` no other process uses (two jobs of one shard, even on two nodes, write apart)."""
+    return prefix.with_name(f".{prefix.name}.tmp-{socket.gethostname()}-{os.getpid()}")
+
+
+def remove_temporaries(prefix: Path) -> None:
+    """What writers of ``prefix`` killed mid-write left (a whole dataset's size, at worst)."""
+    for stale in prefix.parent.glob(f".{glob.escape(prefix.name)}.tmp-*"):
+        stale.unlink(missing_ok=True)
 
 
 def _sync(path: str) -> None:

@@ -27,7 +27,8 @@ from megatron.core.datasets.indexed_dataset import DType, IndexedDataset
 
 from stem_megatron.data import encode
 from stem_megatron.data.documents import BadInput, Chunk, chunks, expand_inputs, read_documents
-from stem_megatron.data.parts import DatasetWriter, counts, is_complete, recorded_inputs, reusable, write_record
+from stem_megatron.data.parts import (DatasetWriter, counts, is_complete, recorded_inputs, remove_temporaries, reusable,
+                                     write_record)
 from stem_megatron.data.progress import Progress
 from stem_megatron.data.shards import PART_MB, Part, default_workers, parse_shard, plan_parts, shard_prefix, shard_range
 from stem_megatron.data.tokenizer import HFTokenizer, train_tokenizer
@@ -142,7 +143,7 @@ def _write_part(results: Iterator, prefix: Path, dtype, made_from: dict, skip_ba
 
 def _made_from(parts: list[Part], tokenizer: Path, text_key: str, skip_bad: bool) -> dict:
     """What an output is made from: its input files and sizes, the tokenizer's digest and the reading settings."""
-    return {"files": [f for part in parts for f in part.files], "sizes": [s for part in parts for s in part.sizes],
+    return {"files": [str(Path(f).resolve()) for part in parts for f in part.files], "sizes": [s for part in parts for s in part.sizes],
             "tokenizer": hashlib.sha256(tokenizer.read_bytes()).hexdigest(), "text_key": text_key,
             "skip_bad": skip_bad}
 
@@ -176,6 +177,7 @@ def _join(out: Path, prefixes: list[Path], dtype, made_from: dict) -> dict:
     total["first_bad"] = next((c["first_bad"] for c in parts if c["first_bad"]), None)
     if total["docs"] == 0:
         raise ValueError(f"no documents for {out}: every input was empty")
+    remove_temporaries(out)
     with DatasetWriter(out, dtype) as joined:
         for prefix in prefixes:
             joined.join(prefix)
@@ -268,7 +270,7 @@ def main(argv=None):
                                         "(default: the SLURM array task's place, else the whole input)")
     parser.add_argument("--merge", action="store_true", help="join PREFIX's N complete shards into PREFIX")
     parser.add_argument("--part-mb", type=float, default=PART_MB,
-                        help="input MB per resumable part (a rerun after a kill redoes at most one per worker)")
+                        help="input MB per resumable part (a rerun after a kill redoes the part in progress)")
     parser.add_argument("--skip-bad", action="store_true",
                         help="skip unreadable records and the damaged rest of a file, and count them, instead of "
                              "stopping at the first")
@@ -285,6 +287,8 @@ def main(argv=None):
                                args.pattern, args.workers, args.shard, args.part_mb, args.skip_bad)
     except (ValueError, OSError) as e:
         parser.exit(2, f"stem-preprocess: error: {e}\n")
+    except KeyboardInterrupt:
+        parser.exit(130, "stem-preprocess: interrupted; the finished parts are kept: the same command continues\n")
     print(_summary(stats))
 
 
