@@ -14,6 +14,7 @@ from typing import Optional
 import torch
 from omegaconf import OmegaConf
 
+from stem_megatron.data.blend import expand_blend
 from stem_megatron.data.integrity import data_config_problem
 from stem_megatron.layer_plan import RATIOS, VARIANTS, stem_layer_indices
 from stem_megatron.setup_check import corpus_problem
@@ -144,7 +145,7 @@ class DataConfig:
 
     dir: str = "data_cache/python-doc"
     vocab_size: int = 4096  # the tokenizer's; model.vocab_size must cover it
-    blend: Optional[list] = None  # [[weight, prefix], ...]; None: [[1, train]]
+    blend: Optional[list] = None  # [[weight, prefix | directory | glob], ...] (data/blend.py); None: [[1, train]]
     valid_prefixes: Optional[list[str]] = None  # None: [valid]
     valid_samples: Optional[int] = None  # None: one pass over the validation prefixes
     reset_position_ids: bool = False  # positions restart after every EOD
@@ -152,15 +153,12 @@ class DataConfig:
     eod_mask_loss: bool = False  # no loss on EOD targets
     cache_dir: Optional[str] = None  # megatron's index cache, shared by all ranks; None: <dir>/index_cache
 
-    def _path(self, prefix) -> str:
-        return str(Path(self.dir) / prefix)  # an absolute prefix stays as it is
-
     def train_blend(self) -> list[tuple[float, str]]:
-        """``(weight, prefix path)`` pairs of the training mix."""
-        return [(weight, self._path(prefix)) for weight, prefix in (self.blend or [[1, "train"]])]
+        """``(weight, prefix path)`` pairs of the training mix, directories and globs expanded."""
+        return expand_blend(self.blend or [[1, "train"]], self.dir)
 
     def valid_prefix_paths(self) -> list[str]:
-        return [self._path(prefix) for prefix in (self.valid_prefixes or ["valid"])]
+        return [str(Path(self.dir) / prefix) for prefix in (self.valid_prefixes or ["valid"])]  # absolute: as it is
 
 
 @dataclass

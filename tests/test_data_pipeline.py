@@ -2,9 +2,11 @@
 cross-document masking in the model, and clear errors for damaged files and out-of-vocabulary ids."""
 
 import json
+import re
 import shutil
 import string
 import tempfile
+from pathlib import Path
 
 import distributed
 import numpy as np
@@ -12,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from conftest import VOCAB
-from megatron.core.datasets.indexed_dataset import IndexedDataset
+from megatron.core.datasets.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
 from torch.distributed.elastic.utils.distributed import get_free_port
 
 from stem_megatron.config import ConfigError, DataConfig, RunConfig, validate
@@ -355,6 +357,80 @@ def test_data_recipes_compose():
     assert default.data == DataConfig()
     assert [w for w, _ in mix.data.train_blend()] == [65, 5, 30] and mix.data.reset_attention_mask
     assert mix.data.train_blend()[2][1].endswith("data_cache/python-doc/stdlib-code")
+
+
+def _parts(corpus, out) -> list[str]:
+    """The corpus's train documents as three parts of unequal size, named as preprocessing across nodes names them."""
+    docs = IndexedDataset(str(corpus / "train"))
+    out.mkdir()
+    bounds = [0, 2, 5, len(docs)]
+    for k in range(3):
+        builder = IndexedDatasetBuilder(str(out / f"train-{k:05d}-of-00003.bin"), dtype=docs.index.dtype)
+        for i in range(bounds[k], bounds[k + 1]):
+            builder.add_document(docs[i], [len(docs[i])])
+        builder.finalize(str(out / f"train-{k:05d}-of-00003.idx"))
+    (out / "notes.txt").write_text("not a dataset")
+    return [str(out / f"train-{k:05d}-of-00003") for k in range(3)]
+
+
+def test_blend_directory_and_glob_give_the_parts_by_tokens(corpus, tok, tmp_path, world_of_one):
+    """A directory or glob entry is its parts, its weight split by their tokens: megatron builds the same blend as
+    from the parts listed with their token counts as weights, sample for sample."""
+    parts = _parts(corpus, tmp_path / "dclm")
+    tokens = [check_indexed_dataset(p) for p in parts]
+    assert len(set(tokens)) == 3
+    for entry in ("dclm", "dclm/", "dclm/train-*", "dclm/*.idx", str(tmp_path / "dclm" / "train-0000?-of-00003")):
+        blend = DataConfig(dir=str(tmp_path), blend=[[3, entry]]).train_blend()
+        assert [p for _, p in blend] == parts, entry
+        assert [w for w, _ in blend] == pytest.approx([3 * n / sum(tokens) for n in tokens], rel=1e-12)
+    by_dir, listed = (build_datasets(tok, blend, seq_length=16, train_samples=300, seed=4, cache_dir=tmp_path / "cache",
+                                     vocab_size=VOCAB)[0]
+                      for blend in (DataConfig(dir=str(tmp_path), blend=[[3, "dclm/"]]).train_blend(),
+                                    list(zip(tokens, parts))))
+    assert [d.dataset.path_prefix for d in by_dir.datasets] == parts
+    assert [d.dataset.path_prefix for d in listed.datasets] == parts
+    assert by_dir.weights == pytest.approx(listed.weights, rel=1e-12)
+    assert all(torch.equal(by_dir[i]["tokens"], listed[i]["tokens"]) for i in range(300))
+
+
+def test_blend_mixes_a_directory_with_prefixes(corpus, tok, tmp_path, world_of_one):
+    """``[[65, dclm], [35, valid]]``: the parts share 65 by their tokens, ``valid`` keeps 35, in megatron's draw too."""
+    parts = _parts(corpus, tmp_path / "dclm")
+    tokens = np.array([check_indexed_dataset(p) for p in parts])
+    data = DataConfig(dir=str(corpus), vocab_size=VOCAB, blend=[[65, str(tmp_path / "dclm")], [35, "valid"]])
+    blend = data.train_blend()
+    assert [p for _, p in blend] == parts + [str(corpus / "valid")]
+    assert [w for w, _ in blend] == pytest.approx([*(65 * tokens / tokens.sum()), 35], rel=1e-12)
+    run = RunConfig(data=data)
+    run.model.vocab_size = VOCAB
+    validate(run, 1)
+    train, _ = build_datasets(tok, blend, seq_length=8, train_samples=1000, seed=2, cache_dir=tmp_path / "cache",
+                              vocab_size=VOCAB)
+    shares = np.bincount([int(train[i]["dataset_id"]) for i in range(1000)], minlength=4) / 1000
+    assert np.abs(shares - [*(0.65 * tokens / tokens.sum()), 0.35]).max() < 0.01, shares
+
+
+def test_blend_pattern_matching_nothing_names_entry_pattern_and_fix(corpus, tmp_path):
+    """A pattern or directory with no dataset, one of empty datasets, a damaged part: one line naming the entry."""
+    parts = _parts(corpus, tmp_path / "dclm")
+    (tmp_path / "empty").mkdir()
+    shutil.copy(corpus / "tokenizer.json", tmp_path)
+    Path(parts[1] + ".bin").unlink()
+    fix = "correct the pattern or data.dir, or write the parts there with stem-preprocess"
+    for entry, searched in (("dclm/valid-*", tmp_path / "dclm" / "valid-*.idx"),
+                            ("empty/", tmp_path / "empty" / "*.idx"), ("absent/", tmp_path / "absent" / "*.idx")):
+        run = RunConfig(data=DataConfig(dir=str(tmp_path), blend=[[1, str(corpus / "train")], [1, entry]]))
+        with pytest.raises(ConfigError) as e:
+            validate(run, 1)
+        assert str(e.value) == f"data.blend[1]: {entry!r} matches no .idx file (searched {searched}): {fix}"
+    IndexedDatasetBuilder(str(tmp_path / "empty" / "part.bin"), dtype=np.uint16).finalize(
+        str(tmp_path / "empty" / "part.idx"))  # no documents
+    with pytest.raises(ConfigError, match=r"^data\.blend\[0\]: 'empty' matches empty datasets only \(searched "):
+        validate(RunConfig(data=DataConfig(dir=str(tmp_path), blend=[[1, "empty"]])), 1)
+    run = RunConfig(data=DataConfig(dir=str(tmp_path), blend=[[1, "dclm/train-*"]]))
+    missing = rf"^data\.blend\[0\]: {re.escape(parts[1])}\.bin: missing; re-run stem-preprocess"
+    with pytest.raises(ConfigError, match=missing):
+        validate(run, 1)
 
 
 def _rank_samples(corpus, cache):

@@ -68,6 +68,8 @@ RUNS = {
     "benchmarks/conversion_study.py": [("tests/test_study.py",
                                         "test_conversion_study_runs_end_to_end_and_writes_its_section",
                                         '"conversion_study.py"')],
+    "benchmarks/dataset_index.py": [("tests/test_dataset_index.py", "test_dataset_index_benchmark_at_its_smallest",
+                                     "import dataset_index")],
     "tools/angular_spread.py": [("tests/test_analysis.py", "test_angular_spread_tool", '_tool("angular_spread")')],
     "tools/capacity_scaling.py": [("tests/test_analysis.py", "test_capacity_scaling_tool_on_corpus",
                                    '_tool("capacity_scaling")')],

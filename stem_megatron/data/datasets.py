@@ -66,8 +66,19 @@ def build_datasets(
     valid_prefixes = [str(prefix) for prefix in valid_prefixes or []]
     for prefix in train_prefixes + valid_prefixes:
         check_indexed_dataset(prefix, vocab_size)
+    config = dataset_config(tokenizer, train_blend, valid_prefixes, seq_length, seed, cache_dir, reset_position_ids,
+                            reset_attention_mask, eod_mask_loss)
+    sizes = [train_samples, valid_samples, None]
+    train, valid, _ = BlendedMegatronDatasetBuilder(GPTDataset, sizes, lambda: True, config).build()
+    return train, valid
+
+
+def dataset_config(tokenizer, train_blend, valid_prefixes, seq_length, seed, cache_dir, reset_position_ids=False,
+                   reset_attention_mask=False, eod_mask_loss=False) -> GPTDatasetConfig:
+    """megatron's config for ``build_datasets`` (also what ``benchmarks/dataset_index.py`` times megatron with)."""
+    train_prefixes = [str(prefix) for _, prefix in train_blend]
     weights = [float(weight) for weight, _ in train_blend] if len(train_blend) > 1 else None
-    config = GPTDatasetConfig(
+    return GPTDatasetConfig(
         random_seed=seed,
         sequence_length=seq_length,
         blend_per_split=[(train_prefixes, weights), (valid_prefixes, None) if valid_prefixes else None, None],
@@ -78,6 +89,3 @@ def build_datasets(
         eod_mask_loss=eod_mask_loss,
         create_attention_mask=reset_attention_mask,  # otherwise causal attention needs no mask tensor
     )
-    sizes = [train_samples, valid_samples, None]
-    train, valid, _ = BlendedMegatronDatasetBuilder(GPTDataset, sizes, lambda: True, config).build()
-    return train, valid

@@ -4,13 +4,15 @@ Formats (by name): ``.jsonl``, ``.jsonl.gz``, ``.jsonl.zst`` (DCLM's shards) hol
 in its ``text_key`` field; ``.parquet`` (FineWeb, most Hugging Face corpora) a ``text_key`` column, read as streamed
 record batches; any other file is one document. A chunk is about ``CHUNK_BYTES`` of raw records, parsed and tokenized
 elsewhere (``encode.py``, in worker processes): reading here stays cheap, so one process feeds every core. Files are
-read as streams, never whole, so memory does not grow with a file's size.
+read as streams, never whole, so memory does not grow with a file's size; ``decode_chunk`` turns a chunk's records
+into text.
 """
 
 from __future__ import annotations
 
 import gzip
 import io
+import json
 import zlib
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -148,11 +150,46 @@ def chunks(path: Path, text_key: str) -> Iterator[Chunk]:
         yield from _jsonl_chunks(path, fmt)
 
 
+def decode_chunk(chunk: Chunk, text_key: str) -> tuple[list[str], list[str]]:
+    """The chunk's documents as text, and one message for each record that has none (file, record, fix)."""
+    texts, bad = [], []
+    if chunk.fmt == "parquet":
+        for row, text in enumerate(chunk.records.to_pylist(), chunk.first):
+            if text is None:
+                bad.append(f"{chunk.path} row {row}: {text_key!r} is null; --skip-bad skips such rows")
+            else:
+                texts.append(text)
+        return texts, bad
+    if chunk.fmt == "text":
+        try:
+            return [chunk.records[0].decode("utf-8")], bad
+        except UnicodeDecodeError as e:
+            return texts, [f"{chunk.path} is not UTF-8 text ({e}); pass only text files or a --pattern that "
+                           f"excludes it"]
+    for lineno, line in enumerate(chunk.records, chunk.first):
+        if not line.strip():
+            continue
+        where = f"{chunk.path}:{lineno}"
+        try:
+            record = json.loads(line.decode("utf-8"))
+        except UnicodeDecodeError as e:
+            bad.append(f"{where} is not UTF-8 ({e}); --skip-bad skips such records")
+            continue
+        except json.JSONDecodeError as e:
+            bad.append(f"{where} is not a JSON object ({e}); jsonl needs one per line")
+            continue
+        text = record.get(text_key) if isinstance(record, dict) else None
+        if isinstance(text, str):
+            texts.append(text)
+        else:
+            keys = sorted(record) if isinstance(record, dict) else type(record).__name__
+            bad.append(f"{where} has no string field {text_key!r} (found {keys}); choose the field with --text-key")
+    return texts, bad
+
+
 def read_documents(files: Iterable[Path], text_key: str = "text") -> Iterator[str]:
     """Documents in order, as text, in this process (what a tokenizer trains on); the first bad record raises
     ``BadInput``."""
-    from stem_megatron.data.encode import decode_chunk
-
     for path in map(Path, files):
         for chunk in chunks(path, text_key):
             texts, bad = decode_chunk(chunk, text_key)

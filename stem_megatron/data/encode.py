@@ -1,13 +1,12 @@
 """A chunk of raw records -> its documents' tokens, each followed by EOD: the work a preprocessing worker does.
 
-Parsing (JSON, UTF-8) and tokenizing happen here, in the worker, so that the reading process stays light and the
-work spreads over every core. A worker tokenizes on its own core (``TOKENIZERS_PARALLELISM=false``: N workers are
+Parsing (JSON, UTF-8: ``documents.decode_chunk``) and tokenizing happen here, in the worker, so that the reading
+process stays light and the work spreads over every core. A worker tokenizes on its own core (``TOKENIZERS_PARALLELISM=false``: N workers are
 N busy cores, not N thread pools competing); one worker is the preprocessing process itself.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 
@@ -15,46 +14,9 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from stem_megatron.child_processes import die_with_parent
-from stem_megatron.data.documents import Chunk
+from stem_megatron.data.documents import Chunk, decode_chunk
 
 _encoder = None  # this process's (tokenizer, eod id, dtype, text_key), set by ``start``
-
-
-def decode_chunk(chunk: Chunk, text_key: str) -> tuple[list[str], list[str]]:
-    """The chunk's documents as text, and one message for each record that has none (file, record, fix)."""
-    texts, bad = [], []
-    if chunk.fmt == "parquet":
-        for row, text in enumerate(chunk.records.to_pylist(), chunk.first):
-            if text is None:
-                bad.append(f"{chunk.path} row {row}: {text_key!r} is null; --skip-bad skips such rows")
-            else:
-                texts.append(text)
-        return texts, bad
-    if chunk.fmt == "text":
-        try:
-            return [chunk.records[0].decode("utf-8")], bad
-        except UnicodeDecodeError as e:
-            return texts, [f"{chunk.path} is not UTF-8 text ({e}); pass only text files or a --pattern that "
-                           f"excludes it"]
-    for lineno, line in enumerate(chunk.records, chunk.first):
-        if not line.strip():
-            continue
-        where = f"{chunk.path}:{lineno}"
-        try:
-            record = json.loads(line.decode("utf-8"))
-        except UnicodeDecodeError as e:
-            bad.append(f"{where} is not UTF-8 ({e}); --skip-bad skips such records")
-            continue
-        except json.JSONDecodeError as e:
-            bad.append(f"{where} is not a JSON object ({e}); jsonl needs one per line")
-            continue
-        text = record.get(text_key) if isinstance(record, dict) else None
-        if isinstance(text, str):
-            texts.append(text)
-        else:
-            keys = sorted(record) if isinstance(record, dict) else type(record).__name__
-            bad.append(f"{where} has no string field {text_key!r} (found {keys}); choose the field with --text-key")
-    return texts, bad
 
 
 def start(tokenizer_path: str, eod: int, dtype, text_key: str) -> None:

@@ -56,21 +56,16 @@ def _size_problem(actual, expected, what):
     return f"{kind}: {actual} bytes, but {what} implies {expected}"
 
 
-def check_indexed_dataset(prefix, vocab_size=None) -> int:
-    """Raise DataError unless ``prefix.{idx,bin}`` form a complete dataset; returns its token count.
-
-    With ``vocab_size`` every token id is also checked to lie in ``[0, vocab_size)`` (one min/max pass
-    over the memory-mapped tokens), so a tokenizer/model vocabulary mismatch fails here.
-    """
+def _header(prefix) -> tuple[Path, Path, type, int, int]:
+    """``.idx`` and ``.bin`` paths, token dtype, sequence and document counts, from the sound header of ``prefix``."""
     idx, bin_ = Path(f"{prefix}.idx"), Path(f"{prefix}.bin")
     for path in (idx, bin_):
         if not path.is_file():
             _fail(path, "missing")
-    idx_size = idx.stat().st_size
     with idx.open("rb") as f:
         header = f.read(_HEADER.size)
     if len(header) < _HEADER.size:
-        _fail(idx, f"truncated header: {idx_size} bytes, a megatron index header has {_HEADER.size}")
+        _fail(idx, f"truncated header: {idx.stat().st_size} bytes, a megatron index header has {_HEADER.size}")
     magic, version, code, num_seqs, num_docs = _HEADER.unpack(header)
     if magic != _INDEX_HEADER:
         _fail(idx, f"corrupt header: magic {magic!r} is not megatron's {_INDEX_HEADER!r}")
@@ -78,7 +73,24 @@ def check_indexed_dataset(prefix, vocab_size=None) -> int:
         _fail(idx, f"corrupt header: version {version}, megatron-core reads version 1")
     if code not in [d.value for d in DType]:
         _fail(idx, f"corrupt header: unknown token dtype code {code}")
-    dtype = DType.dtype_from_code(code)
+    return idx, bin_, DType.dtype_from_code(code), num_seqs, num_docs
+
+
+def token_count(prefix) -> int:
+    """``prefix``'s tokens from its header's dtype and its ``.bin``'s size: no data read, so a blend of hundreds of
+    parts is weighed at once; exact for every dataset ``check_indexed_dataset`` passes, as all must before training."""
+    _, bin_, dtype, _, _ = _header(prefix)
+    return bin_.stat().st_size // np.dtype(dtype).itemsize
+
+
+def check_indexed_dataset(prefix, vocab_size=None) -> int:
+    """Raise DataError unless ``prefix.{idx,bin}`` form a complete dataset; returns its token count.
+
+    With ``vocab_size`` every token id is also checked to lie in ``[0, vocab_size)`` (one min/max pass
+    over the memory-mapped tokens), so a tokenizer/model vocabulary mismatch fails here.
+    """
+    idx, bin_, dtype, num_seqs, num_docs = _header(prefix)
+    idx_size = idx.stat().st_size
     expected = _HEADER.size + num_seqs * (4 + 8) + num_docs * 8  # int32 lengths, int64 pointers, int64 doc ends
     if idx_size != expected:
         _fail(idx, _size_problem(idx_size, expected, f"its header ({num_seqs} sequences, {num_docs} document marks)"))
@@ -113,7 +125,11 @@ def data_config_problem(data) -> tuple[str, str] | None:
             return f"data.blend[{i}]", f"weight {entry[0]!r} must be a number > 0"
     if data.valid_samples is not None and data.valid_samples < 1:
         return "data.valid_samples", "must be >= 1 or null"
-    for field_name, prefixes in (("data.blend", [p for _, p in data.train_blend()]),
+    try:
+        train_blend = data.train_blend()  # directories and globs expanded (data/blend.py)
+    except DataError as e:  # blend.BlendError names its entry
+        return getattr(e, "field", "data.blend"), str(e)
+    for field_name, prefixes in (("data.blend", [p for _, p in train_blend]),
                                  ("data.valid_prefixes", data.valid_prefix_paths())):
         for prefix in prefixes:
             try:
