@@ -12,6 +12,7 @@ import pytest
 import zstandard
 
 from stem_megatron.data import documents, preprocess as preprocess_module
+from stem_megatron.data.integrity import DataError, check_indexed_dataset
 from stem_megatron.data.preprocess import main, merge, preprocess, write_indexed_dataset
 from stem_megatron.data.progress import Progress
 from stem_megatron.data.shards import parse_shard, shard_range
@@ -126,6 +127,25 @@ def test_a_rerun_after_a_kill_finishes_what_is_left(shards_in, reference, tokeni
     with pytest.raises(FileExistsError, match=r"train\.idx exists and is made from other inputs or settings: "
                                               r"delete .*train\.bin"):
         preprocess([root / "a.jsonl"], tmp_path / "train", tokenizer)
+
+
+def test_the_recorded_largest_id_spares_reading_the_tokens(shards_in, tokenizer, tmp_path):
+    """The token-id check against the vocabulary reads stem-preprocess's record, not the .bin, while the record
+    counts the dataset's tokens; a dataset rewritten since (another count) is read whole."""
+    root, docs = shards_in
+    stats = preprocess([root / "a.jsonl"], tmp_path / "train", tokenizer)
+    tokens = np.fromfile(tmp_path / "train.bin", dtype=np.uint16)
+    record = json.loads((tmp_path / "train.json").read_text())
+    assert record["max_id"] == tokens.max() and record["tokens"] == stats["tokens"] == len(tokens)
+    with pytest.raises(DataError, match=f"token id {tokens.max()} .* is >= vocab_size {tokens.max()}"):
+        check_indexed_dataset(tmp_path / "train", vocab_size=int(tokens.max()))
+    largest = int(tokens.max())
+    tokens[7] = 60000  # the .bin changed behind the record's back: the record still speaks for it
+    tokens.tofile(tmp_path / "train.bin")
+    assert check_indexed_dataset(tmp_path / "train", vocab_size=largest + 1) == len(tokens)
+    (tmp_path / "train.json").write_text(json.dumps({**record, "tokens": len(tokens) + 1}))
+    with pytest.raises(DataError, match="token id 60000 at position 7 is >= vocab_size"):
+        check_indexed_dataset(tmp_path / "train", vocab_size=4096)
 
 
 def _corrupt(data: bytes) -> bytes:

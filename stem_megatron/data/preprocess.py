@@ -122,6 +122,7 @@ def _encoded(items: Iterator, workers: int, start_args: tuple) -> Iterator:
 def _write_part(results: Iterator, prefix: Path, dtype, made_from: dict, skip_bad: bool, progress: Progress) -> None:
     """One part's documents from ``results`` (up to its end marker) into ``prefix``, atomically."""
     docs = tokens = 0
+    max_id = -1
     bad: list[str] = []
     with DatasetWriter(prefix, dtype) as out:
         for item in results:
@@ -133,11 +134,12 @@ def _write_part(results: Iterator, prefix: Path, dtype, made_from: dict, skip_ba
                 chunk_tokens, lengths, found, read = item
                 out.add(chunk_tokens, lengths)
                 docs, tokens = docs + len(lengths), tokens + len(chunk_tokens)
+                max_id = max(max_id, int(chunk_tokens.max())) if len(chunk_tokens) else max_id
                 progress.update(read, len(lengths), len(chunk_tokens))
             if found and not skip_bad:
                 raise BadInput(found[0])
             bad += found
-        write_record(prefix, made_from, {"docs": docs, "tokens": tokens, "bad": len(bad),
+        write_record(prefix, made_from, {"docs": docs, "tokens": tokens, "max_id": max_id, "bad": len(bad),
                                          "first_bad": bad[0] if bad else None})
 
 
@@ -174,6 +176,7 @@ def _join(out: Path, prefixes: list[Path], dtype, made_from: dict) -> dict:
     """The complete datasets ``prefixes`` joined in order into ``out``; returns the summed counts."""
     parts = [counts(p) for p in prefixes]
     total = {key: sum(c[key] for c in parts) for key in ("docs", "tokens", "bad")}
+    total["max_id"] = max(c["max_id"] for c in parts)
     total["first_bad"] = next((c["first_bad"] for c in parts if c["first_bad"]), None)
     if total["docs"] == 0:
         raise ValueError(f"no documents for {out}: every input was empty")
