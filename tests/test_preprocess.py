@@ -2,8 +2,10 @@
 --merge, a rerun after a kill, bad input named in one line (or skipped and counted), progress in a log."""
 
 import gzip
+import importlib.util
 import io
 import json
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -203,3 +205,20 @@ def test_shards_default_to_the_slurm_array_and_balance_bytes(monkeypatch):
     assert [list(shard_range(sizes, i, 3)) for i in range(3)] == [[0, 1, 2], [3, 4], [5, 6, 7]]
     with pytest.raises(ValueError, match="the input has 8 files, fewer than 9 shards; use at most 8 shards"):
         shard_range(sizes, 0, 9)
+
+
+def test_the_benchmark_at_its_smallest(tokenizer, source_dir, capsys):
+    """benchmarks/preprocess.py: every way side by side against encode_batch, the scaling, the projection."""
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "preprocess.py"
+    spec = importlib.util.spec_from_file_location("preprocess_benchmark", path)
+    benchmark = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(benchmark)
+    benchmark.main(["--tokenizer", str(tokenizer), "--source-dir", str(source_dir), "--max-mb", "0.05", "--rounds",
+                    "1", "--workers", "1", "2", "--zst"])
+    out = capsys.readouterr().out
+    rows = {line[:40].strip(): line[40:].split() for line in out.splitlines() if line.startswith(("encode", "stem"))}
+    assert set(rows) == {"encode_batch, all cores", *(f"stem-preprocess {fmt} --workers {w}" for fmt in
+                                                      ("jsonl", "jsonl.zst") for w in (1, 2))}
+    ceiling = float(rows["encode_batch, all cores"][0])
+    assert all(abs(float(ratio) - float(rate) / ceiling) < 0.01 + 0.006 / ceiling for rate, ratio in rows.values())
+    assert "scaling --workers 2 / --workers 1: " in out and " on 1,024 cores: " in out

@@ -90,6 +90,8 @@ RUNS = {
                                 '"benchmarks/ffn_cost.py"')],
     "benchmarks/process_tree.py": [("benchmarks/gpu_step.py", None, "from benchmarks.process_tree import"),
                                    ("tools/gpu_check.py", None, "from benchmarks.process_tree import")],
+    "benchmarks/preprocess.py": [("tests/test_preprocess.py", "test_the_benchmark_at_its_smallest",
+                                  '"preprocess.py"')],
     "benchmarks/row_sync.py": [("tests/test_row_sync.py", "test_emulated_nodes_measure_what_the_model_predicts",
                                 '"benchmarks" / "row_sync.py"')],
     "benchmarks/sparse_layers.py": [("tests/test_sparse_layers.py", "test_two_rounds_count_every_collective",

@@ -83,6 +83,13 @@ class DatasetWriter:
         return None
 
 
+def move(source: Path, prefix: Path) -> None:
+    """The complete dataset ``source`` renamed to ``prefix`` (``.bin`` first, ``.idx`` last: complete when seen)."""
+    for suffix in (".bin", ".idx"):
+        os.replace(f"{source}{suffix}", f"{prefix}{suffix}")
+    fsync_dir(prefix.parent)
+
+
 def write_record(prefix: Path, made_from: dict, counts: dict) -> None:
     """``prefix.json``: what the dataset at ``prefix`` is made from, and its counts (written before the dataset is
     renamed in)."""

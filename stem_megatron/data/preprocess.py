@@ -27,8 +27,8 @@ from megatron.core.datasets.indexed_dataset import DType, IndexedDataset
 
 from stem_megatron.data import encode
 from stem_megatron.data.documents import BadInput, Chunk, chunks, expand_inputs, read_documents
-from stem_megatron.data.parts import (DatasetWriter, counts, is_complete, recorded_inputs, remove_temporaries, reusable,
-                                     write_record)
+from stem_megatron.data.parts import (DatasetWriter, counts, is_complete, move, recorded_inputs, remove_temporaries,
+                                     reusable, write_record)
 from stem_megatron.data.progress import Progress
 from stem_megatron.data.shards import PART_MB, Part, default_workers, parse_shard, plan_parts, shard_prefix, shard_range
 from stem_megatron.data.tokenizer import HFTokenizer, train_tokenizer
@@ -172,8 +172,9 @@ def _refuse_other(out: Path) -> None:
                               f"{out}.idx and {out}.json to rebuild it, or choose another --output-prefix")
 
 
-def _join(out: Path, prefixes: list[Path], dtype, made_from: dict) -> dict:
-    """The complete datasets ``prefixes`` joined in order into ``out``; returns the summed counts."""
+def _join(out: Path, prefixes: list[Path], dtype, made_from: dict, keep: bool = True) -> dict:
+    """The complete datasets ``prefixes`` joined in order into ``out``; returns the summed counts. Unless ``keep``,
+    a single dataset is moved instead (no copy; megatron's ``add_index`` also runs a full ``gc.collect``, ~0.4 s)."""
     parts = [counts(p) for p in prefixes]
     total = {key: sum(c[key] for c in parts) for key in ("docs", "tokens", "bad")}
     total["max_id"] = max(c["max_id"] for c in parts)
@@ -181,6 +182,10 @@ def _join(out: Path, prefixes: list[Path], dtype, made_from: dict) -> dict:
     if total["docs"] == 0:
         raise ValueError(f"no documents for {out}: every input was empty")
     remove_temporaries(out)
+    if len(prefixes) == 1 and not keep:
+        write_record(out, made_from, total)
+        move(prefixes[0], out)
+        return total
     with DatasetWriter(out, dtype) as joined:
         for prefix in prefixes:
             joined.join(prefix)
@@ -224,7 +229,7 @@ def preprocess(inputs, output_prefix, tokenizer=None, vocab_size=None, text_key=
     finally:
         results.close()
         progress.close()
-    total = _join(out, [part_prefix[part.index] for part in mine], dtype, made_from)
+    total = _join(out, [part_prefix[part.index] for part in mine], dtype, made_from, keep=False)
     shutil.rmtree(work)
     return {**summary, **total, "seconds": progress.elapsed, "tokens_per_s": progress.tokens / progress.elapsed,
             "reused_parts": len(mine) - len(todo)}
