@@ -1,10 +1,10 @@
-"""A micro-batch's rows gathered into pinned staging, narrowed to the compute dtype: before and after issue 31.
+"""A micro-batch's rows gathered into pinned staging, narrowed to the compute dtype: two ways.
 
 On GPU a fetch gathers ``U_l[unique ids, my columns]`` from the fp32 host table into its staging slot in bf16
-(``transfer.Transfer.gather``). Before issue 31 it did ``staged.copy_(table.index_select(0, ids))``: a pageable
-fp32 temporary of the whole micro-batch's rows per layer, faulted in and zeroed by the kernel each time, then cast.
-Now the rows pass through a few MB of scratch the fetching thread reuses. Both run here side by side (rounds
-interleaved, medians), on one thread (the prefetch thread under torchrun with 8 ranks before issue 31) and on all
+(``transfer.Transfer.gather``): the rows pass through a few MB of scratch the fetching thread reuses. The baseline,
+``staged.copy_(table.index_select(0, ids))``, makes a pageable fp32 temporary of the whole micro-batch's rows per
+layer, faulted in and zeroed by the kernel each time, then cast. Both run here side by side (rounds
+interleaved, medians), on one thread (a prefetch thread under torchrun with 8 ranks on one node) and on all
 of this machine's, with ids drawn from the 128k-vocabulary profile at the 1B micro-batch (4,096 tokens) by default.
 The destination stands in for pinned staging (plain memory here; pinning changes neither path's host work).
 

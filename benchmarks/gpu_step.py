@@ -1,4 +1,4 @@
-"""Training steps of dense and STEM variants side by side on this machine's device (issue 25).
+"""Training steps of dense and STEM variants side by side on this machine's device.
 
 Per model, a few steps of each variant, each a `stem-train` run of its own (torchrun, one subprocess per variant,
 so a variant that runs out of memory does not take the others with it):
@@ -17,8 +17,8 @@ so a variant that runs out of memory does not take the others with it):
   stem_1_3_resident_dense STEM-1/3 with that working set and CPU Adam on every row (the recipe's dense Adam: the
                         rows not resident decayed on the host)
   stem_1_3_resident_fit STEM-1/3 with lazy Adam and the largest working set whose memory plan stays within dense's
-                        + 10% (issue 31's peak goal; `flops/memory.working_set_within` at the profile's distinct ids:
-                        8,947 rows a layer at 1B, 8,003 at 350M on one GPU)
+                        + 10% (the peak goal, docs/gpu.md; `flops/memory.working_set_within` at the profile's
+                        distinct ids: 8,947 rows a layer at 1B, 8,003 at 350M on one GPU)
 
 Shapes: `paper` (default with a GPU): +experiment=pretrain_350m and +experiment=pretrain_1b at sequence length
 2048, global batch 16 (32,768 tokens per step), micro-batch 4 (350M) and 2 (1B), and `1B-3L`, the 1B recipe with 3

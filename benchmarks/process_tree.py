@@ -1,4 +1,4 @@
-"""Every process a command starts ends with it (issue 51, item 4): ``tools/gpu_check.py``'s parts and
+"""Every process a command starts ends with it: ``tools/gpu_check.py``'s parts and
 ``benchmarks/gpu_step.py``'s runs.
 
 A process group or session does not hold a run: torchrun's workers start in sessions of their own, and a child

@@ -1,8 +1,8 @@
-"""One STEM FFN against megatron's dense FFN at the paper's 350M and 1B shapes, forward + backward (issue 31).
+"""One STEM FFN against megatron's dense FFN at the paper's 350M and 1B shapes, forward + backward.
 
 Three modules, timed round-robin on the same input (medians over rounds, ratios to dense):
 - ``dense``: megatron-core's MLP from its local layer spec (on GPU its fused SwiGLU, ``bias_activation_fusion``);
-- ``stem, gather``: the STEM MLP as it ran before issue 31 on host rows: the micro-batch's fp32 compact rows
+- ``stem, gather``: the STEM MLP with the rows expanded per token, the baseline: the micro-batch's fp32 compact rows
   gathered to tokens (``F.embedding``), cast, then ``SiLU(W_g x) ⊙ rows`` (autograd);
 - ``stem``: the STEM MLP on the same rows through ``model.stem_rows.silu_times_rows`` (one function: gather in the
   compute dtype inside the product, segmented row-gradient sum over the prefetcher's order).
@@ -10,7 +10,7 @@ Three modules, timed round-robin on the same input (medians over rounds, ratios 
 Each round is a micro-batch of its own, its ids drawn from the 128k-vocabulary profile at the recipe's vocabulary
 as ``gpu_step.py`` draws them, so its distinct ids ``u`` (the rows: the fp32 leaf the store registers, its gradient
 included) change from call to call as in training, and the compiled function is timed with the dynamic row count
-training runs, not a kernel specialized to one ``u`` (issue 51). Goal on GPU: ``stem`` <= 0.75x dense (the matmul
+training runs, not a kernel specialized to one ``u``. Goal on GPU: ``stem`` <= 0.75x dense (the matmul
 FLOP ideal is 2/3).
 On CPU (no fused kernels) the figures show the host's arithmetic only; use ``--tokens`` to shorten.
 
@@ -54,7 +54,7 @@ SHAPES = {"350M": (960, 2560, 15, 8192, 32_000), "1B": (2048, 8192, 32, 4096, 12
 
 
 class _GatheredRows(MegatronModule):
-    """A host row source's forward before issue 31: the compact fp32 rows expanded to tokens, then cast."""
+    """The baseline row source's forward: the compact fp32 rows expanded to tokens, then cast."""
 
     def load(self, rows: torch.Tensor, index: torch.Tensor) -> None:
         """The micro-batch's rows (``[u, cols]`` fp32) and each token's row (``[s, b]``), as a fetch lands them."""
@@ -66,7 +66,8 @@ class _GatheredRows(MegatronModule):
 
 
 class _CompactRows(_GatheredRows):
-    """A host row source now: the compact rows, each token's row and their order, for ``silu_times_rows``."""
+    """A host row source as the store runs it: the compact rows, each token's row and their order, for
+    ``silu_times_rows``."""
 
     def load(self, rows, index):
         super().load(rows, index)

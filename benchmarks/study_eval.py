@@ -1,4 +1,4 @@
-"""Score one finished study run (its export) and write ``<run>/eval.json``.
+"""Score finished study runs (their exports) and write each ``<run>/eval.json``, one process for all of them.
 
 Measures, on the run's single-process export:
 * held-out next-token NLL and top-1 accuracy on the corpus' validation split (the "accuracy" of the
@@ -9,7 +9,7 @@ Measures, on the run's single-process export:
   count prompts that now give the other subject's answer;
 * parameters (total, active per token) and training FLOPs (tokens x FLOPs/token, ``stem_megatron.flops``).
 
-Run: ``python benchmarks/study_eval.py RUN_DIR --facts data_cache/python-doc/facts``.
+Run: ``python benchmarks/study_eval.py RUN_DIR [RUN_DIR ...] --facts data_cache/python-doc/facts``.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from stem_megatron.model.stem_mlp import STEM_VARIANTS  # noqa: E402
 
 
 def evaluate(run_dir: Path, facts_prefix: Path, valid_windows: int, edit_pairs: int) -> dict:
-    config = upgrade_saved_config(json.loads((run_dir / "config.json").read_text()))  # runs from before issue 54
+    config = upgrade_saved_config(json.loads((run_dir / "config.json").read_text()))  # runs in the flat stem layout too
     model = InferenceModel(run_dir / "export", device="cpu")
     valid = Path(config["data"]["dir"]) / (config["data"]["valid_prefixes"] or ["valid"])[0]
     heldout = held_out_perplexity(model, valid, batch_size=16, max_windows=valid_windows)
@@ -60,14 +60,15 @@ def evaluate(run_dir: Path, facts_prefix: Path, valid_windows: int, edit_pairs: 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("run_dir", type=Path)
+    parser.add_argument("run_dirs", type=Path, nargs="+")
     parser.add_argument("--facts", type=Path, required=True, help="facts dataset prefix (PREFIX.json holds the facts)")
     parser.add_argument("--valid-windows", type=int, default=200, help="validation windows of seq_length tokens")
     parser.add_argument("--edit-pairs", type=int, default=100)
     args = parser.parse_args()
-    result = evaluate(args.run_dir, args.facts, args.valid_windows, args.edit_pairs)
-    (args.run_dir / "eval.json").write_text(json.dumps(result, indent=1))
-    print(json.dumps(result))
+    for run_dir in args.run_dirs:
+        result = evaluate(run_dir, args.facts, args.valid_windows, args.edit_pairs)
+        (run_dir / "eval.json").write_text(json.dumps(result, indent=1))
+        print(json.dumps(result), flush=True)
 
 
 if __name__ == "__main__":

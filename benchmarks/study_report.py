@@ -52,7 +52,7 @@ def load_run(run_dir: Path) -> dict:
             raise FileNotFoundError(f"{run_dir / name} is missing: run benchmarks/study.py to finish this run")
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
     ev = json.loads((run_dir / "eval.json").read_text()) if (run_dir / "eval.json").is_file() else {}
-    config = upgrade_saved_config(json.loads((run_dir / "config.json").read_text()))  # runs from before issue 54
+    config = upgrade_saved_config(json.loads((run_dir / "config.json").read_text()))  # runs in the flat stem layout too
     valid = [r for r in records if "valid_loss" in r]
     timed = [r for r in records if r["step"] > WARMUP_STEPS] or records
     tokens_per_step = config["train"]["global_batch_size"] * config["model"]["seq_length"]

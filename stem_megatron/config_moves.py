@@ -1,9 +1,9 @@
-"""The keys issue 54 moved out of ``stem``: ``host_tables.*`` (where the tables live, how they are trained) and
-``hash_moe.*`` (the Hash-Layer baseline).
+"""The keys of ``host_tables.*`` (where the tables live, how they are trained) and ``hash_moe.*`` (the Hash-Layer
+baseline) that the flat ``stem`` layout holds under ``stem``.
 
-A recipe or override that still sets one is refused with its new place (``recipes.refuse_moved_keys``): Hydra's own
-error names only the missing key. What earlier runs wrote keeps working: a checkpoint's manifest still names a run by
-the flat ``stem`` of before (``flat_stem``), and a saved ``config.json`` of that layout is translated when read
+A recipe or override that sets one under ``stem`` is refused with its place (``recipes.refuse_moved_keys``): Hydra's
+own error names only the missing key. Runs written in the flat layout keep working: a checkpoint's manifest names a
+run by the flat ``stem`` (``flat_stem``), and a saved ``config.json`` in that layout is translated when read
 (``upgrade_saved_config``).
 """
 
@@ -15,19 +15,19 @@ from typing import Mapping, Sequence
 
 from stem_megatron.config import ConfigError, HashMoEConfig, HostTablesConfig
 
-# a key of the old flat stem -> the group that holds it now
+# a key of the flat stem -> the group that holds it
 MOVED = {f.name: group for group, schema in (("host_tables", HostTablesConfig), ("hash_moe", HashMoEConfig))
          for f in dataclasses.fields(schema)}
 _OVERRIDE = re.compile(r"(~|\+\+|\+)?stem\.(\w+)(=|$)")  # Hydra's set, add, force-add and delete forms
 
 
 def new_key(key: str) -> str:
-    """Today's full name of a key of the old flat ``stem`` (``placement``: ``host_tables.placement``)."""
+    """The full name of a key of the flat ``stem`` (``placement``: ``host_tables.placement``)."""
     return f"{MOVED.get(key, 'stem')}.{key}"
 
 
 def _moved(key: str) -> str:
-    return f"stem.{key} moved to {new_key(key)} (issue 54)"
+    return f"stem has no key {key}, it is {new_key(key)}"
 
 
 def refuse_moved_override(overrides: Sequence[str]) -> None:
@@ -53,14 +53,14 @@ def refuse_moved_in_recipe(error: BaseException) -> None:
 
 
 def flat_stem(stem: Mapping, host_tables: Mapping, hash_moe: Mapping) -> dict:
-    """The ``stem`` dict of before issue 54 (its keys, in its order) from the three groups' dicts: what a checkpoint's
-    manifest and a run directory's digest still name a run by, so runs from before resume and keep their directory."""
+    """The flat ``stem`` dict (its keys, in its order) from the three groups' dicts: what a checkpoint's manifest and
+    a run directory's digest name a run by, so runs in the flat layout resume and keep their directory."""
     return {**stem, **host_tables, **hash_moe}
 
 
 def upgrade_saved_config(config: dict) -> dict:
-    """A saved run's ``config.json`` dict (``dataclasses.asdict`` of its RunConfig) in today's layout: the moved keys
-    of a flat ``stem`` written before issue 54 go to their groups. Changes ``config`` in place and returns it."""
+    """A saved run's ``config.json`` dict (``dataclasses.asdict`` of its RunConfig) in the grouped layout: the keys
+    of a flat ``stem`` go to their groups. Changes ``config`` in place and returns it."""
     stem = config.get("stem", {})
     for key in [k for k in stem if k in MOVED]:
         config.setdefault(MOVED[key], {})[key] = stem.pop(key)

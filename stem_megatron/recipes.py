@@ -8,8 +8,8 @@ what decides its training, so a run never resumes an unrelated run's checkpoint 
 (a requeue, a rerun) finds its own again; each job of a sweep (``-m``) runs in its own directory under the
 sweep's.
 
-A key issue 54 moved out of ``stem`` (``stem_megatron/config_moves.py``), on the command line or in a recipe, is
-refused before Hydra composes the run, with one line naming its new place.
+A ``host_tables`` or ``hash_moe`` key set under ``stem`` (``stem_megatron/config_moves.py``), on the command line or
+in a recipe, is refused before Hydra composes the run, with one line naming its place.
 """
 
 from __future__ import annotations
@@ -32,13 +32,13 @@ from stem_megatron.config_moves import flat_stem, refuse_moved_in_recipe, refuse
 
 RECIPES = str(Path(__file__).resolve().parent.parent / "recipes")
 
-# what decides a run's training (a run resumed with other values would not continue it); "stem": the flat stem of
-# before issue 54 (config_moves.flat_stem), so a run keeps its directory
+# what decides a run's training (a run resumed with other values would not continue it); "stem": the flat stem
+# (config_moves.flat_stem), so a run keeps its directory
 _IGNORED = {"train": ("log_interval", "exit_after_steps", "eval_interval", "eval_iters", "max_skipped_steps",
                       "skip_steps"),
             "stem": ("prefetch_depth", "cache_rows", "shm_dir", "host_memory_gib", "overlap_exchange",
                      "overlap_update", "resident_rows", "calibration_gib")}
-# fields added since runs were first named (issue 53), left out at their defaults: a run keeps its directory
+# fields that runs named without them lack, left out at their defaults: a run keeps its directory
 _ADDED = {"model": {"qkv_bias": False, "rope_scaling_factor": None}, "stem": {"calibration_tokens": None}}
 
 
@@ -63,7 +63,7 @@ def run_dir(base: str, _root_: DictConfig) -> str:
             if identity[key].get(name) == default:
                 del identity[key][name]
     identity["init_from"] = _root_.checkpoint.init_from
-    if _root_.checkpoint.init_from_hf:  # (issue 53) only when set, as the fields above
+    if _root_.checkpoint.init_from_hf:  # only when set, as the fields above
         identity["init_from_hf"] = _root_.checkpoint.init_from_hf
     digest = hashlib.sha1(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:8]
     return f"{base}-{digest}"
@@ -75,8 +75,8 @@ OmegaConf.register_new_resolver("run_dir", run_dir, replace=True)
 
 
 def compose_run(overrides: Sequence[str] = ()) -> RunConfig:
-    """The typed config of ``stem-train <overrides>`` (``recipes/train.yaml`` and the groups it names); a key issue
-    54 moved raises ConfigError."""
+    """The typed config of ``stem-train <overrides>`` (``recipes/train.yaml`` and the groups it names); a
+    ``host_tables``/``hash_moe`` key set under ``stem`` raises ConfigError."""
     from hydra import compose, initialize_config_dir
 
     refuse_moved_override(overrides)
@@ -89,7 +89,8 @@ def compose_run(overrides: Sequence[str] = ()) -> RunConfig:
 
 
 def refuse_moved_keys(argv: Sequence[str]) -> None:
-    """ConfigError when ``stem-train``'s command line ``argv`` or a recipe it composes sets a key issue 54 moved.
+    """ConfigError when ``stem-train``'s command line ``argv`` or a recipe it composes sets a
+    ``host_tables``/``hash_moe`` key under ``stem``.
 
     Composes the run (a sweep: each of its choices once, ``_single_runs``) before Hydra does, whose error would name
     only the key missing from ``stem``. Any other error is Hydra's to report then; so are the recipes of a

@@ -9,14 +9,13 @@ the run with one line naming the problem and the fix and exit code 1, not a trac
 steps in a row that are not finite (the line names the last good checkpoint): each of these errors says all
 a user needs (out of device memory: what the memory plan expected per GPU and the settings that lower it). So does a sweep on
 Hydra's submitit launchers without the `slurm` extra that provides them (Hydra's own error names no package), and a
-key issue 54 moved out of ``stem`` (Hydra's own error names only the key it misses there).
+``host_tables`` or ``hash_moe`` key set under ``stem`` (Hydra's own error names only the key it misses there).
 
 The module imports nothing heavy until ``main`` runs: a process that the training process spawns imports its
-``__main__`` again, this module. Megatron's checkpoint writer spawned one on each rank's first save (its results
-queue's manager), which imported megatron-core and our training code again before the save could go on: on this
-2-core machine a 2-rank run's first save took 10.2 s, 4.2 s with this module light. That manager is forked now
-(``checkpoint/dense.py``); any other spawned child still pays for what this module imports, and dies with its rank
-(``child_processes.die_with_parent``).
+``__main__`` again, this module, before it can work: a 2-rank run's first save on a 2-core machine takes 10.2 s when
+that imports megatron-core and the training code, 4.2 s with this module light. Megatron's checkpoint writer's
+results queue manager is forked (``checkpoint/dense.py``); any other spawned child pays for what this module imports,
+and dies with its rank (``child_processes.die_with_parent``).
 
 Before any process group starts, the run directory is this job's and writable (``training/run_dir.py``).
 """
@@ -42,7 +41,8 @@ SUBMITIT_LAUNCHERS = {"submitit_local", "submitit_slurm", "slurm"}
 
 def main() -> None:
     """The entry point: Hydra's ``train``, after naming the `slurm` extra when a sweep asks for one of its launchers
-    and this Python lacks it, and after refusing a key issue 54 moved (``recipes.refuse_moved_keys``)."""
+    and this Python lacks it, and after refusing a ``host_tables``/``hash_moe`` key set under ``stem``
+    (``recipes.refuse_moved_keys``)."""
     launchers = {arg.partition("=")[2] for arg in sys.argv[1:] if arg.lstrip("+").startswith("hydra/launcher=")}
     if launchers & SUBMITIT_LAUNCHERS:
         require_extra("slurm", command="stem-train")

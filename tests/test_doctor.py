@@ -16,7 +16,7 @@ import torch
 from packaging.requirements import Requirement
 
 from stem_megatron.doctor import checks, cli, cuda, job_start, layered, training, versions
-from stem_megatron.doctor.report import FAIL, OK, Result, run_check
+from stem_megatron.doctor.report import FAIL, OK, SKIPPED, Result, run_check
 from stem_megatron.host_tables import row_optimizer
 from stem_megatron.parallel import child_env
 
@@ -105,6 +105,22 @@ def test_gpu_comparison_end_to_end_with_the_gpu_job_on_cpu(tmp_path):
     assert [r.status for r in results] == [OK, OK], results
     assert results[1].detail == "3 steps at TP=2 on 2 GPU(s) within 0.02 of the CPU run (max 0.0e+00)"
     assert (tmp_path / "init" / "checkpoints" / "latest").exists()
+
+
+@pytest.mark.parametrize("gpus, jobs", [(0, {"cpu": False}), (2, {"init": False, "cpu": True, "gpu": True})])
+def test_the_jobs_start_from_one_checkpoint_only_where_they_are_compared(monkeypatch, tmp_path, gpus, jobs):
+    """Without GPUs the CPU job trains from its own initialisation (no one-step init job); with GPUs both compared
+    jobs load the init job's checkpoint. ``jobs``: each job started, in order, and whether it loads that one."""
+    started = {}
+
+    def train_job(name, workdir, nproc, overrides, env):
+        started[name] = f"checkpoint.init_from={tmp_path / 'init' / 'checkpoints'}" in overrides
+        return [8.0, 7.5, 7.0]
+
+    monkeypatch.setattr(training, "train_job", train_job)
+    results = training.train_and_compare(cli.DEMO_DATA, 3, gpus, tmp_path)
+    assert [r.status for r in results] == [OK, OK if gpus else SKIPPED], results
+    assert list(started.items()) == list(jobs.items())
 
 
 def test_loss_comparison_tolerance():

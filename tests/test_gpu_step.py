@@ -1,6 +1,6 @@
-"""Issue 25: ``benchmarks/gpu_step.py`` on the CPU (tiny shapes) gives a complete, sane record per variant and a
+"""``benchmarks/gpu_step.py`` on the CPU (tiny shapes) gives a complete, sane record per variant and a
 profile of one step; a run out of device memory ends with one line (the memory plan's bytes and the settings that
-lower it) and exit code 1, not Hydra's traceback; the new fields (``logging.profile_step``, ``checkpoint.save``)
+lower it) and exit code 1, not Hydra's traceback; the fields it sets (``logging.profile_step``, ``checkpoint.save``)
 are validated."""
 
 import json

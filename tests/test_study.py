@@ -58,7 +58,7 @@ def test_facts_reject_bad_requests(tokenizer_path, tmp_path):
         Facts.load(tmp_path / "old.json")
 
 
-# ------------------------------------------------------------------------ knowledge edit (issue 7)
+# -------------------------------------------------------------------------------- knowledge edit
 @pytest.mark.slow
 def test_swapping_subject_rows_moves_the_fact(tokenizer_path, tmp_path):
     """STEM-full trained on 100 facts for 150 steps (benchmarks/knowledge_edit.py, rows init std 0.9): most
@@ -258,7 +258,7 @@ def test_conversion_study_runs_end_to_end_and_writes_its_section(tmp_path):
     assert results["stem-from_dense"]["flops"] == results["base"]["flops"] + json.loads(
         (out / "seed1" / "stem-from_dense" / "eval.json").read_text())["train_flops"]
     text = report.read_text()
-    assert text.startswith("# the main study's report\n") and "## Dense to STEM conversion (issue 53)" in text
+    assert text.startswith("# the main study's report\n") and "## Dense to STEM conversion\n" in text
     rows = [line for line in text.splitlines() if line.startswith("| ") and "steps" in line]
     assert len(rows) == 5 and rows[-1].startswith("| STEM-1/3 from scratch, 6 steps | – |")
     assert "(`stem-export-hf`)" in text and "--more" not in text

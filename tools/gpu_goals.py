@@ -1,13 +1,13 @@
-"""What ``make gpu-check`` measures against: issue 31's goals as ratios of one machine's runs, and summary.md (the
-goals table, each part's status and seconds against its plan, the audits' lines). ``tools/gpu_check.py`` runs the
-parts; this file reads what they wrote."""
+"""What ``make gpu-check`` measures against: the GPU step's goals (docs/gpu.md) as ratios of one machine's runs, and
+summary.md (the goals table, each part's status and seconds against its plan, the audits' lines).
+``tools/gpu_check.py`` runs the parts; this file reads what they wrote."""
 
 from __future__ import annotations
 
 from typing import Optional
 
-# (figure, model, numerator variant, denominator variant, what is compared, at most, goal): issue 31's acceptance;
-# no bound where the issue asks for the figure only. 1B's STEM-full is not run: its tables (189 GB) exceed the host.
+# (figure, model, numerator variant, denominator variant, what is compared, at most, goal): the acceptance
+# bounds; none where only the figure is asked for. 1B's STEM-full is not run: its tables (189 GB) exceed the host.
 GOALS = (
     ("STEM-1/3 working set, lazy / dense", "1B-3L", "stem_1_3_resident_lazy", "dense", "step_time_s", 1.00, 0.95),
     ("STEM-1/3 host, lazy Adam / dense", "1B-3L", "stem_1_3_host_lazy", "dense", "step_time_s", 1.00, 0.95),

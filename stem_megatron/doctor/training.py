@@ -1,10 +1,11 @@
 """The training check: the tiny demo model for a few steps on the CPU over gloo (``CUDA_VISIBLE_DEVICES=""``, so
 megatron runs through ``cpu_compat``) and, with GPUs, the same job on them over NCCL, losses compared step by step.
 
-Both jobs start from one checkpoint, written by a one-step CPU job and loaded with ``checkpoint.init_from``: left to
-themselves the GPU run draws its initial weights from the CUDA generator (and TE's layers) and the CPU run from the
-CPU one, and the losses would differ by the initialisation rather than by the arithmetic. The batches depend on the
-seed only, so both see the same tokens. The layout is TP=2 with PP=2 on 4+ GPUs, TP=2 on 2 or 3, one GPU alone on 1;
+With GPUs, both jobs start from one checkpoint, written by a one-step CPU job and loaded with
+``checkpoint.init_from``: left to themselves the GPU run draws its initial weights from the CUDA generator (and TE's
+layers) and the CPU run from the CPU one, and the losses would differ by the initialisation rather than by the
+arithmetic; without GPUs the CPU job starts from its own. The batches depend on the seed only, so both see the same
+tokens. The layout is TP=2 with PP=2 on 4+ GPUs, TP=2 on 2 or 3, one GPU alone on 1;
 TP=2 on a CPU-only machine.
 
 Tolerance, ``BF16_RTOL`` = 2e-2: every step's GPU loss within 2 % of the CPU loss. The GPU run computes in bf16
@@ -95,14 +96,15 @@ def train_and_compare(data: Path, steps: int, gpus: int, workdir: Path,
         blocked = f"no demo corpus in {data} (make setup prepares it)"
     common = ["model=tiny", f"parallel.tensor_model_parallel_size={tp}", f"parallel.pipeline_model_parallel_size={pp}",
               f"data.dir={data}", "checkpoint.resume=false", "train.eval_iters=0", "train.log_interval=1"]
-    start = [f"checkpoint.init_from={workdir / 'init' / 'checkpoints'}", f"train.steps={steps}"]
+    start = [f"checkpoint.init_from={workdir / 'init' / 'checkpoints'}"] * bool(gpus) + [f"train.steps={steps}"]
     cpu_env = child_env(CUDA_VISIBLE_DEVICES="")
     cpu_losses: list[float] = []
 
     def cpu() -> tuple[str, str]:
         if blocked:
             return SKIPPED, blocked
-        train_job("init", workdir, tp * pp, [*common, "train.steps=1"], cpu_env)
+        if gpus:
+            train_job("init", workdir, tp * pp, [*common, "train.steps=1"], cpu_env)
         cpu_losses.extend(train_job("cpu", workdir, tp * pp, [*common, *start], cpu_env))
         return OK, f"{steps} steps at {where} over gloo, loss {cpu_losses[0]:.3f} -> {cpu_losses[-1]:.3f}"
 

@@ -27,7 +27,7 @@ host) default to their bounds, min(V, b*s), the micro-batches' summed and the gr
 ``stem-flops --memory`` passes the 128k token profile's (``distinct.run_distinct_ids``) and prints the bound
 beside. Pinned memory is reserved at the bound whatever they are: nothing is pinned mid-step.
 
-``working_set_within`` inverts the plan for the GPU step's memory goal (issue 31): the most rows a layer a working
+``working_set_within`` inverts the plan for the GPU step's memory goal (docs/gpu.md): the most rows a layer a working
 set can hold while a GPU's plan stays within a ratio of the dense model's plan on the same layout.
 """
 
@@ -53,7 +53,7 @@ GIB = 2**30
 # gloo, datasets; anonymous memory per rank and the libraries' file pages once per node (two dense models, one
 # CPU process, micro-batch 1; docs/memory.md). A CUDA process adds its context and libraries, not counted here.
 PROCESS_BYTES, LIBRARY_BYTES = 355 * 2**20, 95 * 2**20
-# a working set's device plan at most this times the dense model's: the GPU step's memory goal (issue 31)
+# a working set's device plan at most this times the dense model's: the GPU step's memory goal (docs/gpu.md)
 WITHIN_DENSE = 1.10
 DEVICE_PARTS = {
     "parameters": "parameters", "gradients": "gradients (fp32)", "optimizer": "Adam state",
