@@ -16,10 +16,11 @@ import itertools
 import multiprocessing
 import os
 import shutil
+import socket
 from collections import deque
 from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ProcessPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -58,7 +59,7 @@ def _beside(tokenizer: Path, data_dir: Path) -> Path:
         raise FileNotFoundError(f"tokenizer {tokenizer} does not exist")
     there = data_dir / "tokenizer.json"
     if not there.exists():
-        copy = data_dir / f".tokenizer.json.tmp-{os.getpid()}"
+        copy = data_dir / f".tokenizer.json.tmp-{socket.gethostname()}-{os.getpid()}"
         shutil.copyfile(tokenizer, copy)
         os.replace(copy, there)
     elif there.read_bytes() != tokenizer.read_bytes():
@@ -72,13 +73,6 @@ class _Damaged:
     """A file that could not be read to its end, in document order (``BadInput``'s message)."""
 
     message: str
-
-
-@dataclass
-class _Counts:
-    docs: int = 0
-    tokens: int = 0
-    bad: list[str] = field(default_factory=list)
 
 
 def _items(parts: list[Part], text_key: str) -> Iterator[Chunk | _Damaged | Part]:
@@ -101,8 +95,10 @@ def _encoded(items: Iterator, workers: int, start_args: tuple) -> Iterator:
         encode.start(*start_args)
         yield from (encode.encode(item) if isinstance(item, Chunk) else item for item in items)
         return
-    context = multiprocessing.get_context("fork")  # workers start in milliseconds; no tokenizer thread pool is live
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # set before the fork: the children's tokenizers stay quiet
+    context = multiprocessing.get_context("fork")  # workers start in milliseconds, the tokenizer's module loaded
+    # set before the fork: the children tokenize on their own thread, and a thread pool this process's tokenizer
+    # training started is not theirs to use (tokenizers would warn of it in each child otherwise)
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
     pool = ProcessPoolExecutor(workers, mp_context=context, initializer=encode.start_worker,
                                initargs=(os.getpid(), *start_args))
     window: deque = deque()
