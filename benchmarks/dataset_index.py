@@ -20,13 +20,19 @@ from __future__ import annotations
 import argparse
 import multiprocessing
 import shutil
+import sys
 import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
-import numpy as np
-from megatron.core.datasets.indexed_dataset import _IndexWriter
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's stem_megatron, installed or not
+from stem_megatron.setup_check import require_environment  # noqa: E402
+
+require_environment()  # before numpy and megatron: another Python gets `make setup`, not a traceback
+
+import numpy as np  # noqa: E402
+from megatron.core.datasets.indexed_dataset import _IndexWriter  # noqa: E402
 
 MEDIAN_TOKENS, SIGMA = 600, 1.0  # DCLM-like document lengths: lognormal, mean ~990 tokens
 SEED = 1234

@@ -23,10 +23,10 @@ STANDALONE = {"wheelhouse.py", "test_durations.py", "gpu_check.py"}
 SCRIPTS = sorted(p for p in [*ROOT.glob("benchmarks/*.py"), *ROOT.glob("tools/*.py")]
                  if p.name not in LIBRARIES | STANDALONE)
 EXTRAS = {"eval": ["lm-eval"], "plots": ["matplotlib"], "dashboards": ["wandb-workspaces"],
-          "slurm": ["hydra-submitit-launcher"], "hf": ["transformers", "accelerate"]}
+          "slurm": ["hydra-submitit-launcher"], "hf": ["transformers", "accelerate"], "data": ["zstandard", "pyarrow"]}
 # what the extras install, by the names of their site-packages entries (package, .dist-info)
 EXTRA_ENTRIES = ("lm_eval", "matplotlib", "mpl_toolkits", "pylab", "wandb_workspaces", "hydra_submitit_launcher",
-                 "transformers", "accelerate")
+                 "transformers", "accelerate", "zstandard", "pyarrow")
 
 
 @pytest.fixture(scope="module")
@@ -117,6 +117,16 @@ def test_a_command_without_its_extra_names_it(core_python, command, name, extras
     assert proc.returncode == 1 and proc.stdout == "", proc.stderr
     assert proc.stderr == (f"{name}: needs the {named} ({missing} not installed): run `make setup`, "
                            f"or `{core_python} -m pip install -e '.[{','.join(extras)}]'`\n")
+
+
+def test_preprocessing_zst_without_the_data_extra_names_it_before_any_work(core_python, tmp_path):
+    (tmp_path / "a.jsonl.zst").write_bytes(b"")
+    proc = subprocess.run([str(core_python), "-m", "stem_megatron.data.preprocess", "--input", str(tmp_path),
+                           "--output-prefix", str(tmp_path / "out" / "train"), "--tokenizer", "none.json"],
+                          capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert proc.returncode == 1 and proc.stdout == "" and not (tmp_path / "out").exists(), proc.stderr
+    assert proc.stderr == ("stem-preprocess: needs the 'data' extra (zstandard and pyarrow are not installed): run "
+                           f"`make setup`, or `{core_python} -m pip install -e '.[data]'`\n")
 
 
 def test_from_elsewhere_the_extras_fix_names_the_checkout(core_python, tmp_path):

@@ -27,12 +27,13 @@ import numpy as np
 from megatron.core.datasets.indexed_dataset import DType, IndexedDataset
 
 from stem_megatron.data import encode
-from stem_megatron.data.documents import BadInput, Chunk, chunks, expand_inputs, read_documents
+from stem_megatron.data.documents import BadInput, Chunk, chunks, expand_inputs, format_of, read_documents
 from stem_megatron.data.parts import (DatasetWriter, counts, is_complete, move, recorded_inputs, remove_temporaries,
                                      reusable, write_record)
 from stem_megatron.data.progress import Progress
 from stem_megatron.data.shards import PART_MB, Part, default_workers, parse_shard, plan_parts, shard_prefix, shard_range
 from stem_megatron.data.tokenizer import HFTokenizer, train_tokenizer
+from stem_megatron.setup_check import require_extra
 
 
 def write_indexed_dataset(docs: Iterable[str], tokenizer: HFTokenizer, prefix, batch_size: int = 256) -> dict:
@@ -199,6 +200,8 @@ def preprocess(inputs, output_prefix, tokenizer=None, vocab_size=None, text_key=
     Returns the output's counts."""
     shard, shards = parse_shard(shard)
     files = expand_inputs(inputs, pattern)
+    if any(format_of(path) in ("jsonl.zst", "parquet") for path in files):
+        require_extra("data", command="stem-preprocess")  # before any work, not at the first such file
     prefix = Path(output_prefix)
     prefix.parent.mkdir(parents=True, exist_ok=True)
     tokenizer = _tokenizer_for(files, prefix, tokenizer, vocab_size, text_key, shards)
