@@ -1,8 +1,8 @@
 """STEM row sync across nodes: bytes per node and CPU-Adam rows per node, per optimizer step.
 
-Until issue 16 every DP rank all-reduced the union of touched rows and every node updated all of them
-("replicated", removed); now each row has one owner node ("owner": host_tables/ownership.py,
-exchange.py). This script shows how the two scale with nodes next to what STEM replaces (the dense
+Each row has one owner node ("owner": host_tables/ownership.py, exchange.py), against the design where
+every DP rank all-reduces the union of touched rows and every node updates all of them ("replicated", not
+built). This script shows how the two scale with nodes next to what STEM replaces (the dense
 ``W_u`` gradient sync) and to its sparse rival (Hash-MoE's token all-to-all):
 
 (a) emulated: the store's real exchange on N = 1, 2, 4 emulated nodes (one process each, gloo), token
@@ -112,7 +112,7 @@ def nodes_of(s: Setup, gpus: int) -> int:
 
 
 def replicated(s: Setup, gpus: int, distinct) -> tuple[float, float]:
-    """Before issue 16 (dp_sync.union_all_reduce, removed): per STEM layer each TP rank's DP group (n = gpus/tp ranks)
+    """The replicated design (not built): per STEM layer each TP rank's DP group (n = gpus/tp ranks)
     all-gathers its id lists and ring-all-reduces an fp32 ``D(T) x d_ff/tp`` buffer of the global union.
 
     A ring over ranks ordered node by node leaves a node over one link, which carries what one rank
@@ -131,7 +131,7 @@ def replicated(s: Setup, gpus: int, distinct) -> tuple[float, float]:
 
 
 def owner(s: Setup, gpus: int, distinct, grad_bytes: int, row_bytes: int = FP32) -> tuple[float, float]:
-    """Issue 16 as built: each row has one owner node. A node's ranks merge their row gradients by id
+    """The owner design, as built: each row has one owner node. A node's ranks merge their row gradients by id
     inside the node, so a node touches D(T/N) rows per STEM layer and a share (N-1)/N of them has
     another owner. Per step, per node (TP ranks send their column slices on their own rails, so rows
     sum to d_ff columns and ids are sent tp times)::
@@ -271,7 +271,7 @@ def _emulated_node(rank: int, nodes: int, port: int, p: np.ndarray, e: Emulation
                       MASTER_PORT=str(port), GROUP_RANK=str(rank))  # GROUP_RANK: torchrun's node number
     torch.set_num_threads(1)
     from stem_megatron import parallel
-    from stem_megatron.host_tables.store import HostTableStore
+    from stem_megatron.host_tables.store import HostTableStore, StoreConfig
 
     def draw(step: int) -> torch.Tensor:
         ids = np.random.default_rng([step, rank]).choice(len(p), size=e.tokens // nodes, p=p)
@@ -279,7 +279,7 @@ def _emulated_node(rank: int, nodes: int, port: int, p: np.ndarray, e: Emulation
 
     parallel.initialize(1, 1, 0)
     try:
-        store = HostTableStore(list(range(1, e.layers + 1)), len(p), e.cols, init_std=0.02, seed=0)
+        store = HostTableStore(StoreConfig(tuple(range(1, e.layers + 1)), len(p), e.cols, init_std=0.02, seed=0))
         records = []
         with store.stream(token_batches(draw, e.steps), 1) as rows:
             for _ in range(e.steps):
@@ -359,10 +359,10 @@ def projection_table(s: Setup, records: list[dict], gpus=GPUS) -> str:
 
 
 def goal_check(s: Setup) -> list[str]:
-    """Issue 16's goal: at 64 GPUs the owner design sends <= 0.5x Hash-MoE EP=16's bytes per node, and less
+    """The row sync's goal: at 64 GPUs the owner design sends <= 0.5x Hash-MoE EP=16's bytes per node, and less
     per node at 256 GPUs than at 64."""
     moe = hash_moe(s, 64, ep=16)[0]
-    lines = [(f"Goal (issue 16): owner <= 0.5x Hash-MoE EP=16 per node at 64 GPUs ({moe / GB:.2f} GB); "
+    lines = [(f"Goal: owner <= 0.5x Hash-MoE EP=16 per node at 64 GPUs ({moe / GB:.2f} GB); "
               "less at 256 GPUs than at 64")]
     variants = {"owner_fp32": (FP32, FP32), "owner_bf16": (BF16, FP32),
                 "owner_bf16 + bf16 copies": (BF16, BF16)}

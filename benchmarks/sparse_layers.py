@@ -202,9 +202,9 @@ def _static(trainer) -> dict:
         "local_expert_params": expert,
         "grad_sync_bytes": grad_bytes * (dense * 2 * (dp - 1) / dp + expert * 2 * (expert_dp - 1) / expert_dp),
         "dp": dp, "expert_dp": expert_dp,
-        "host_table_bytes": trainer.store.host_bytes if trainer.store is not None else 0,
-        "host_table_weight_bytes": (sum(w.numel() * w.element_size() for w in trainer.store.record.read.values())
-                                    if trainer.store is not None else 0),
+        "host_table_bytes": trainer.tables.host_bytes,
+        "host_table_weight_bytes": (sum(w.numel() * w.element_size() for w in trainer.tables.record.read.values())
+                                    if trainer.tables.hosted else 0),
     }
 
 
@@ -214,7 +214,6 @@ def _bench(cfgs: dict, rounds: int, warmup: int) -> dict:
     from megatron.core import parallel_state
 
     from stem_megatron.model.hash_moe import take_moe_stats
-    from stem_megatron.training.data_stream import with_rows
     from stem_megatron.training.setup import setup_model
     from stem_megatron.training.step import train_step
 
@@ -226,7 +225,7 @@ def _bench(cfgs: dict, rounds: int, warmup: int) -> dict:
     streams, data = contextlib.ExitStack(), {}
     for name, trainer in trainers.items():  # the same batches for every variant
         data[name] = streams.enter_context(
-            with_rows(_batches(Path(cfgs[name].data.dir), dp_rank, dp, n_micro, samples), trainer.store, n_micro))
+            trainer.tables.stream(_batches(Path(cfgs[name].data.dir), dp_rank, dp, n_micro, samples), n_micro))
     out = {name: {"static": _static(t), "times": [], "stem_bytes_sent": [], "stem_bytes_to_device": [],
                   "moe_all_to_all_bytes": [], "loss": []} for name, t in trainers.items()}
     names = list(trainers)
@@ -240,7 +239,7 @@ def _bench(cfgs: dict, rounds: int, warmup: int) -> dict:
                 step = train_step(trainer, data[name], n_micro, MICRO_BATCH, MODEL.seq_length, MODEL.vocab_size)
                 elapsed = time.perf_counter() - start
                 tally.variant = None
-                stem = trainer.store.take_stats() if trainer.store is not None else {}
+                stem = trainer.tables.take_stats()
                 moe = take_moe_stats(trainer.model)
                 if timed:
                     rec = out[name]

@@ -144,7 +144,6 @@ def adam_costs(vocab=32000, cols=2560, unique=7000) -> dict:
 
 def step_time(steps: int = 12) -> dict:
     """One process: the same model with U_l on the device vs in the host store, steps interleaved."""
-    from stem_megatron.training.data_stream import with_rows
     from stem_megatron.training.setup import setup_model
     from stem_megatron.training.step import train_step
 
@@ -161,12 +160,12 @@ def step_time(steps: int = 12) -> dict:
             s = torch.randint(0, model.vocab_size, (8, model.seq_length + 1), generator=g)
             yield {"tokens": s[:, :-1], "labels": s[:, 1:]}
 
-    with with_rows(batches(), trainers["host"].store, 2) as host_data:
+    with trainers["host"].tables.stream(batches(), 2) as host_data:
         data = {"device": batches(), "host": host_data}
         fns = {p: (lambda p=p: train_step(trainers[p], data[p], 2, 8, model.seq_length, model.vocab_size))
                for p in trainers}
         t = side_by_side(fns, rounds=steps)
-        stats = trainers["host"].store.take_stats()
+        stats = trainers["host"].tables.take_stats()
         waited = host_data.take_wait_s()
     return {"seconds": t, "host_vs_device": t["host"] / t["device"], "tokens_per_step": 16 * model.seq_length,
             "prefetch_wait_s_total": waited, "cpu_adam_s_last_steps": stats["stem_cpu_adam_s"]}

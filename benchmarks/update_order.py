@@ -69,14 +69,16 @@ def _run(rank: int, port: int, p: np.ndarray, args, plans: list[tuple[str, bool,
 
 
 def _steps(p: np.ndarray, args, rank: int, optimizer: str, overlap: bool, resident: int) -> list[dict]:
-    from stem_megatron.host_tables.store import HostTableStore
+    from stem_megatron.config import HostTablesConfig
+    from stem_megatron.host_tables.store import HostTableStore, StoreConfig
 
     def draw(step: int) -> torch.Tensor:
         rng = np.random.default_rng(step if args.nodes == 1 else [step, rank])
         return torch.from_numpy(rng.choice(len(p), size=args.tokens, p=p)).view(1, -1)
 
-    store = HostTableStore(list(range(1, args.layers + 1)), len(p), args.cols, init_std=0.02, seed=0,
-                           optimizer=optimizer, overlap_update=overlap, resident_rows=resident)
+    host = HostTablesConfig(optimizer=optimizer, overlap_update=overlap, resident_rows=resident)
+    store = HostTableStore(StoreConfig(tuple(range(1, args.layers + 1)), len(p), args.cols, init_std=0.02, seed=0,
+                                       host=host))
     state = store.record.state
     for layer in store.layers:  # the moments' tmpfs pages touched now, as in a run that has trained a while:
         state.exp_avg[layer].zero_()  # else each step faults in the new rows' pages and times the kernel

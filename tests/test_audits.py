@@ -154,7 +154,7 @@ SANITIZED_THREAD = """
 import sys, threading, torch
 import torch.cuda._sanitizer as csan
 from torch.utils._python_dispatch import TorchDispatchMode
-from stem_megatron.host_tables.pipeline import RowUpdates
+from stem_megatron.host_tables.adam_thread import RowUpdates
 
 
 class Seen(TorchDispatchMode):  # stands in for the sanitizer's dispatch mode, which needs a GPU

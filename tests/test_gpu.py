@@ -255,7 +255,8 @@ from torch.distributed.elastic.utils.distributed import get_free_port
 os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(get_free_port()))
 from stem_megatron import parallel
 from stem_megatron.host_tables import transfer
-from stem_megatron.host_tables.store import HostTableStore
+from stem_megatron.config import HostTablesConfig
+from stem_megatron.host_tables.store import HostTableStore, StoreConfig
 from benchmarks.row_sync import backward_one_step, token_batches
 parallel.initialize(1, 1, 0)
 device, out, optimizer = torch.device(sys.argv[1]), sys.argv[2], sys.argv[3]
@@ -270,8 +271,9 @@ if device.type == "cuda":  # side streams late: a read that does not wait for th
             yield
 
     transfer.CudaCopies.stream = late_stream
-store = HostTableStore([1, 2], V, 64, init_std=0.02, seed=0, device=device, resident_rows=384, optimizer=optimizer,
-                       micro_batch_tokens=TOKENS, micro_batches=1, compute_dtype=torch.bfloat16)
+store = HostTableStore(StoreConfig((1, 2), V, 64, init_std=0.02, seed=0,
+                                   host=HostTablesConfig(resident_rows=384, optimizer=optimizer),
+                                   micro_batch_tokens=TOKENS, micro_batches=1, compute_dtype=torch.bfloat16), device)
 pins = []  # pinned allocations from here on: each one a cudaHostAlloc in the middle of a step
 allocate = transfer.CudaCopies.pinned
 transfer.CudaCopies.pinned = staticmethod(lambda nbytes: pins.append(nbytes) or allocate(nbytes))

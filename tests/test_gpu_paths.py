@@ -223,17 +223,17 @@ def _resume_with_fused_adam(directory):
     data = batches()
     for _ in range(2):
         train_step(first, data, 1, 2, SEQ, V)
-    dense.save(first.model, first.dense_optimizer, directory)  # the dense checkpoint's optimizer, as manager's
+    dense.save(first.model, first.optimizer.dense, directory)  # the dense checkpoint's optimizer, as manager's
     second = setup_model(cfg)
-    dense.load(second.model, second.dense_optimizer, directory, step=2)
+    dense.load(second.model, second.optimizer.dense, directory, step=2)
 
     def state(trainer):
-        inner = trainer.dense_optimizer.optimizer
+        inner = trainer.optimizer.dense.optimizer
         return ([p.detach().clone() for p in trainer.model.parameters()],
                 [{k: v.clone() for k, v in inner.state[p].items()} for pg in inner.param_groups for p in pg["params"]],
                 [pg.get("step") for pg in inner.param_groups])
 
-    return {"inner": type(second.dense_optimizer.optimizer).__name__, "first": state(first), "second": state(second)}
+    return {"inner": type(second.optimizer.dense.optimizer).__name__, "first": state(first), "second": state(second)}
 
 
 @pytest.mark.slow
@@ -288,10 +288,11 @@ class RecordingTransfer:
 
 
 def _cache_ordering():
-    from stem_megatron.host_tables.store import HostTableStore
+    from stem_megatron.host_tables.store import HostTableStore, StoreConfig
 
     log = []
-    store = HostTableStore([1], vocab_size=16, d_ff=8, init_std=1.0, seed=0, cache_rows=4)
+    store = HostTableStore(StoreConfig((1,), vocab_size=16, d_ff=8, init_std=1.0, seed=0,
+                                       host=HostTablesConfig(cache_rows=4)))
     tier, record = store.tier, store.record
     tier.h2d = RecordingHostToDevice(log)
     reload, pull = tier.cache.reload, record.pull
@@ -416,12 +417,12 @@ def test_rows_narrowed_on_the_way_pass_through_one_reused_scratch(monkeypatch):
 def _two_prefetchers(steps: int):
     """Two prefetchers on one store at once (training's and validation's), fetching through stand-in copies that
     run late; the rows, inverse indices and in-step positions every batch delivered, against the host's."""
-    from stem_megatron.host_tables.store import HostTableStore
+    from stem_megatron.host_tables.store import HostTableStore, StoreConfig
     from stem_megatron.host_tables.transfer import HostToDevice
 
     layers, tokens = [1, 2, 3, 4, 5], (2, 24)
-    store = HostTableStore(layers, vocab_size=V, d_ff=32, init_std=1.0, seed=0, micro_batch_tokens=48,
-                           micro_batches=2)
+    store = HostTableStore(StoreConfig(tuple(layers), vocab_size=V, d_ff=32, init_std=1.0, seed=0,
+                                       micro_batch_tokens=48, micro_batches=2))
     store.tier.h2d = HostToDevice(torch.device("cpu"), slot_bytes=0, copies=LateCopies(seed=1))
 
     def batches(seed):
@@ -542,7 +543,7 @@ def test_rows_travel_in_the_compute_precision_and_change_nothing():
 def test_the_cpu_adam_thread_runs_on_the_ranks_device(monkeypatch):
     """A rank's "stem-adam" thread waits for copies from its GPU (a working set's leaving rows): it sets the
     rank's device first, or its first CUDA call would open a context on GPU 0, for every rank of the node."""
-    from stem_megatron.host_tables.pipeline import RowUpdates
+    from stem_megatron.host_tables.adam_thread import RowUpdates
 
     calls = []
     monkeypatch.setattr(torch.cuda, "set_device", lambda device: calls.append((threading.current_thread().name,
@@ -605,7 +606,7 @@ def test_indices_made_on_the_host_reach_the_device_from_pinned_memory(monkeypatc
     leaving slots) through a stand-in CUDA; on the CPU the tensor itself, with nothing pinned."""
     from types import SimpleNamespace
 
-    from stem_megatron.host_tables.device_tier import StepRows
+    from stem_megatron.host_tables.step_rows import StepRows
     from stem_megatron.host_tables.exchange import Route
     from stem_megatron.host_tables.row_optimizer import RowOptimizer
     from stem_megatron.host_tables.transfer import copy_to_device
@@ -615,8 +616,10 @@ def test_indices_made_on_the_host_reach_the_device_from_pinned_memory(monkeypatc
     assert copy_to_device(ids, torch.device("cpu")) is ids  # before the stand-in: CPU torch cannot pin
     copies = _device_copies(monkeypatch)
     Route(None, ids, ids, [], [], ids, ids, torch.float32, ids, ids).on(gpu)
-    resident = SimpleNamespace(slot_of=torch.arange(8), device=gpu, cols=2, rows=lambda layer, at: torch.ones(4, 2))
-    StepRows([0], SimpleNamespace(from_owners=lambda routes, rows: rows), resident).receive([], ids)
+    resident = SimpleNamespace(layers=[0], slot_of=torch.arange(8), device=gpu, cols=2,
+                               rows=lambda layer, at: torch.ones(4, 2))
+    StepRows(SimpleNamespace(from_owners=lambda routes, rows: rows), resident, torch.ones(8, dtype=torch.bool)).receive(
+        [], ids)
     fused = RowOptimizer(None, "fused", gpu, dense=True)  # its AdamW a stand-in below
     monkeypatch.setattr(fused, "_fused", lambda step, lr, state, layer, at, grads: None)
     state = SimpleNamespace(master={0: torch.zeros(8, 2)})

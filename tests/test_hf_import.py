@@ -198,8 +198,8 @@ def _converted(corpus, hf_dir, placement):
     trainer = _import(cfg, torch.distributed.get_world_size())
     stage = trainer.model.module
     weights = {n: p.detach().clone() for n, p in stage.named_parameters() if ".mlp." in n and "U_l" not in n}
-    if trainer.store is not None:
-        tables = {layer - 1: trainer.store.table(layer) for layer in trainer.store.layers}
+    if trainer.tables.hosted:
+        tables = {layer - 1: trainer.tables.table(layer) for layer in trainer.tables.layers}
     else:
         tables = {int(n.split(".")[2]): p.detach().clone() for n, p in stage.named_parameters() if "U_l" in n}
     return {"tables": tables, "weights": weights}

@@ -61,8 +61,6 @@ def _host_vs_device(tp, pp, table_init):
     """20 steps with the host store (dense CPU Adam = AdamW on every row) vs the device table; both draw
     their own tables (the same values), the dense weights are copied."""
     from megatron.core import parallel_state
-
-    from stem_megatron.training.data_stream import with_rows
     from stem_megatron.training.setup import setup_model
     from stem_megatron.training.step import train_step
 
@@ -72,12 +70,12 @@ def _host_vs_device(tp, pp, table_init):
     with torch.no_grad():
         for name, p in host.model.module.named_parameters():
             p.copy_(dev_params[name])
-    assert sorted(host.store.layers) == sorted(_device_tables(dev.model))
+    assert sorted(host.tables.layers) == sorted(_device_tables(dev.model))
     dp, dp_rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
     n_micro = GLOBAL // (MICRO * dp)
     dev_data = _data(dp_rank, dp)
     errors = {"loss": 0.0, "grad_norm": 0.0}
-    with with_rows(_data(dp_rank, dp), host.store, n_micro) as host_data:
+    with host.tables.stream(_data(dp_rank, dp), n_micro) as host_data:
         for _ in range(STEPS):
             a = train_step(dev, dev_data, n_micro, MICRO, MODEL.seq_length, MODEL.vocab_size)
             b = train_step(host, host_data, n_micro, MICRO, MODEL.seq_length, MODEL.vocab_size)
@@ -88,7 +86,7 @@ def _host_vs_device(tp, pp, table_init):
     errors["dense_weights"] = max((p - dev_params[n]).abs().max().item()
                                   for n, p in host.model.module.named_parameters())
     dev_tables = _device_tables(dev.model)
-    errors["tables"] = max([(host.store.table(layer) - t).abs().max().item() for layer, t in dev_tables.items()],
+    errors["tables"] = max([(host.tables.table(layer) - t).abs().max().item() for layer, t in dev_tables.items()],
                            default=0.0)
     errors["tables_checked"] = len(dev_tables)
     return errors
@@ -114,8 +112,6 @@ def _lazy_untouched_rows():
     """A lazy step at DP=2 (the second: the first has lr 0 in warmup): rows no replica touched in it are
     bit-identical afterwards, touched rows moved."""
     from megatron.core import parallel_state
-
-    from stem_megatron.training.data_stream import with_rows
     from stem_megatron.training.setup import setup_model
     from stem_megatron.training.step import train_step
 
@@ -124,16 +120,16 @@ def _lazy_untouched_rows():
     n_micro = GLOBAL // (MICRO * dp)
     step2 = [b["tokens"].flatten() for r in range(dp) for b in list(_data(r, dp, steps=2))[n_micro:]]
     touched = torch.unique(torch.cat(step2))
-    with with_rows(_data(dp_rank, dp, steps=2), trainer.store, n_micro) as data:
+    with trainer.tables.stream(_data(dp_rank, dp, steps=2), n_micro) as data:
         train_step(trainer, data, n_micro, MICRO, MODEL.seq_length, MODEL.vocab_size)
-        before = {layer: trainer.store.table(layer) for layer in trainer.store.layers}
+        before = {layer: trainer.tables.table(layer) for layer in trainer.tables.layers}
         out = train_step(trainer, data, n_micro, MICRO, MODEL.seq_length, MODEL.vocab_size)
     assert out["lr"] > 0
     untouched = torch.ones(MODEL.vocab_size, dtype=torch.bool)
     untouched[touched] = False
     out = {}
     for layer, old in before.items():
-        new = trainer.store.table(layer)
+        new = trainer.tables.table(layer)
         moved = bool((new[touched] != old[touched]).all(dim=1).all())
         out[layer] = (torch.equal(new[untouched], old[untouched]), moved, int(untouched.sum()))
     return out
@@ -171,11 +167,11 @@ def _memory_per_node():
     """Both ranks (one node, DP=2) attach the same tables and read every page."""
     import torch.distributed as dist
 
-    from stem_megatron.host_tables.store import HostTableStore
+    from stem_megatron.host_tables.store import HostTableStore, StoreConfig
 
     dist.barrier()
     shm0 = _shm_used()
-    store = HostTableStore([1, 2], vocab_size=8192, d_ff=512, init_std=1.0, seed=0)
+    store = HostTableStore(StoreConfig((1, 2), vocab_size=8192, d_ff=512, init_std=1.0, seed=0))
     dist.barrier()
     total = sum(float(t.sum()) for t in store.record.full.values())  # fault in every page in this process
     dist.barrier()
@@ -187,13 +183,11 @@ def _memory_per_node():
 def _rows_held(resident_rows: int):
     """Two steps of two micro-batches; each registered row leaf watched through a weak reference."""
     import weakref
-
-    from stem_megatron.training.data_stream import with_rows
     from stem_megatron.training.setup import setup_model
     from stem_megatron.training.step import train_step
 
     trainer = setup_model(_cfg(1, 1, "host", optimizer="lazy", steps=2, resident_rows=resident_rows))
-    store, watched, alive_at_register = trainer.store, [], []
+    store, watched, alive_at_register = trainer.tables, [], []
     track = store.grads.track
 
     def watching(layer, in_step, rows):
@@ -205,7 +199,7 @@ def _rows_held(resident_rows: int):
     n_micro = GLOBAL // MICRO
     tokens = [b["tokens"] for b in _data(0, 1, steps=2)]
     peaks = []
-    with with_rows(_data(0, 1, steps=2), store, n_micro) as data:
+    with store.stream(_data(0, 1, steps=2), n_micro) as data:
         for _ in range(2):
             train_step(trainer, data, n_micro, MICRO, MODEL.seq_length, MODEL.vocab_size)
             peaks.append(store.take_stats()["stem_device_row_bytes_peak"])
@@ -262,12 +256,11 @@ def _failing_data():
 
 
 def _prefetch_errors():
-    from stem_megatron.host_tables.store import HostTableStore
-    from stem_megatron.training.data_stream import with_rows
+    from stem_megatron.host_tables.store import HostTableStore, StoreConfig
 
-    store = HostTableStore([1], vocab_size=16, d_ff=8, init_std=1.0, seed=0)
+    store = HostTableStore(StoreConfig((1,), vocab_size=16, d_ff=8, init_std=1.0, seed=0))
     out = {}
-    with with_rows(_failing_data(), store, num_micro_batches=1) as prefetcher:
+    with store.stream(_failing_data(), 1) as prefetcher:
         next(prefetcher)
         try:
             next(prefetcher)
@@ -279,7 +272,7 @@ def _prefetch_errors():
     store.tier.cache.observe = lambda *a: fetches.append(a) or original(*a)
     bad = iter([{"tokens": torch.tensor([[1, 16]]), "labels": torch.tensor([[1, 2]])}])
     try:
-        with with_rows(bad, store, num_micro_batches=1) as prefetcher:
+        with store.stream(bad, 1) as prefetcher:
             next(prefetcher)
     except RuntimeError as e:
         out["bad_id"] = str(e.__cause__)
@@ -295,11 +288,39 @@ def test_prefetch_errors_surface_with_cause_and_bad_ids_never_reach_lookup():
     assert out["fetches"] == 0
 
 
+def _freed_with_its_last_reference():
+    import gc
+    import weakref
+
+    from stem_megatron.host_tables.store import HostTableStore, StoreConfig
+
+    freed = {}
+    for resident in (0, 8):  # the host tier, the device tier
+        store = HostTableStore(StoreConfig((1,), vocab_size=16, d_ff=8, init_std=1.0, seed=0,
+                                           host=HostTablesConfig(resident_rows=resident)))
+        tokens = torch.tensor([[1, 2, 3]])
+        with store.stream(iter([{"tokens": tokens, "labels": tokens}]), 1) as data:
+            next(data)
+        gc.disable()  # freed by its reference count, not by a collection that may come later
+        try:
+            ref = weakref.ref(store)
+            del store, data
+            freed[resident] = ref() is None
+        finally:
+            gc.enable()
+    return freed
+
+
+def test_a_store_is_freed_with_its_last_reference():
+    """A store and its node's tables go when its last reference does (nothing it holds, its training pipeline
+    included, points back to it): a process that builds one store after another (benchmarks/update_order.py, a
+    study) holds one set of tables at a time."""
+    assert distributed.run(_freed_with_its_last_reference, 1)[0] == {0: True, 8: True}
+
+
 def _cache_is_transparent():
     """The same lazy training with and without a hot-row cache: identical losses and tables."""
     from megatron.core import parallel_state
-
-    from stem_megatron.training.data_stream import with_rows
     from stem_megatron.training.setup import setup_model
     from stem_megatron.training.step import train_step
 
@@ -310,13 +331,13 @@ def _cache_is_transparent():
         cfg.host_tables.cache_rows = cache_rows
         torch.manual_seed(0)  # the same initial dense weights for both models
         trainer = setup_model(cfg)
-        trainer.store.tier.cache.refresh_every = 2  # re-choose the hot rows during the run too
+        trainer.tables.tier.cache.refresh_every = 2  # re-choose the hot rows during the run too
         losses, hit_rates = [], []
-        with with_rows(_data(dp_rank, dp, steps=6), trainer.store, n_micro) as data:
+        with trainer.tables.stream(_data(dp_rank, dp, steps=6), n_micro) as data:
             for _ in range(6):
                 losses.append(train_step(trainer, data, n_micro, MICRO, MODEL.seq_length, MODEL.vocab_size)["loss"])
-                hit_rates.append(trainer.store.take_stats()["stem_cache_hit_rate"])
-        out[cache_rows] = (losses, {layer: trainer.store.table(layer) for layer in trainer.store.layers}, hit_rates)
+                hit_rates.append(trainer.tables.take_stats()["stem_cache_hit_rate"])
+        out[cache_rows] = (losses, {layer: trainer.tables.table(layer) for layer in trainer.tables.layers}, hit_rates)
     return out
 
 

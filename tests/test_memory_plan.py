@@ -42,15 +42,17 @@ def _store_and_model(nodes: int, tp: int, pp: int, copies: str) -> dict:
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    from stem_megatron.host_tables.store import build_store
+    from stem_megatron.host_tables.placement import build_tables
     from stem_megatron.model.device_table import DeviceRowTable
     from stem_megatron.model.gpt import build_gpt, transformer_config
+    from stem_megatron.training.data_stream import micro_batches_per_step
 
     rank, world = dist.get_rank(), dist.get_world_size()
     os.environ["GROUP_RANK"] = str(rank * nodes // world)  # the launcher's node: ranks node by node
     cfg = _config(tp, pp, read_dtype=copies)
     tconfig = transformer_config(cfg.model, cfg.parallel, on_gpu=False, stem=cfg.stem)
-    store = build_store(cfg, tconfig, torch.device("cpu"))
+    store = build_tables(cfg, tconfig, torch.device("cpu"),
+                         micro_batches_per_step(cfg, parallel_state.get_data_parallel_world_size()))
     with torch.device("meta"):  # the tables as device parameters: what build_gpt makes without a row source
         gpt = build_gpt(cfg.model, cfg.stem, transformer_config(cfg.model, cfg.parallel, on_gpu=False, stem=cfg.stem))
     total = sum(p.numel() for p in gpt.parameters())

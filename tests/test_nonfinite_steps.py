@@ -47,7 +47,7 @@ def _poison(trainer, kind, bad):
     elif kind == "dense":
         next(trainer.model.parameters()).register_hook(lambda grad: grad * nan if bad[0] else None)
     else:
-        store, rows_of = trainer.store, trainer.store.rows
+        store, rows_of = trainer.tables, trainer.tables.rows
 
         def rows(layer, prefetched):
             leaf = rows_of(layer, prefetched)
@@ -60,23 +60,22 @@ def _poison(trainer, kind, bad):
 
 def _state(trainer) -> list[torch.Tensor]:
     """Every weight, dense Adam state, host table row (the node's copy and the owners' masters) and row moment."""
-    store = trainer.store
+    store = trainer.tables
     out = [p.detach().clone() for p in trainer.model.parameters()]
-    for member in trainer.dense_optimizer.chained_optimizers:
+    for member in trainer.optimizer.dense.chained_optimizers:
         out += [torch.as_tensor(v).clone() for s in member.optimizer.state.values() for v in s.values()]
-    if store is None:  # tables on the device: parameters
+    if not store.hosted:  # tables on the device: parameters
         return out
     store.settle()
     out += [store.table(layer) for layer in store.layers]
     out += [store.record.state.kind(k)[layer].clone() for layer in store.layers
             for k in ("master", "exp_avg", "exp_avg_sq")]
-    return out + [torch.tensor(store.steps_done)]
+    return out + [torch.tensor(store.pipeline.steps_done)]
 
 
 def _run(placement, resident_rows, kind):
     """``STEPS`` steps at DP 2; step ``BAD`` made not finite (``kind``) or, with no ``kind``, named by
     ``train.skip_steps``. Returns the records' losses and skips, and whether step ``BAD`` kept the state bitwise."""
-    from stem_megatron.training.data_stream import with_rows
     from stem_megatron.training.setup import setup_model
     from stem_megatron.training.step import train_step
 
@@ -89,7 +88,7 @@ def _run(placement, resident_rows, kind):
     _poison(trainer, kind, bad)
     n_micro = GLOBAL // (MICRO * 2)
     out = {"loss": [], "skipped": [], "lr": []}
-    with with_rows(_data(STEPS), trainer.store, n_micro) as data:
+    with trainer.tables.stream(_data(STEPS), n_micro) as data:
         for step in range(1, STEPS + 1):
             if step == BAD:
                 before, bad[0] = _state(trainer), kind is not None

@@ -41,18 +41,10 @@ class _Tier:
         self.ended = True
 
 
-class _Store:
-    """The store's side the pipeline sees: its tier, counters, row gradients' begin and Adam thread, no tables."""
-
-    device, vocab_size, counters = torch.device("cpu"), 64, {}
-
-    def __init__(self):
-        self.tier = _Tier()
-        self.grads = SimpleNamespace(begin=lambda ids, micro_batches, plan: None)
-        self.updates = SimpleNamespace(settle=lambda: None)
-
-    def refresh(self, ids: torch.Tensor) -> None:
-        pass
+def _pipeline(tier: _Tier) -> RowPipeline:
+    """A training pipeline over ``tier`` with stand-ins for the row gradients' begin and the Adam thread, no tables."""
+    return RowPipeline(tier, SimpleNamespace(begin=lambda ids, micro_batches, plan: None),
+                       SimpleNamespace(settle=lambda: None), {}, lambda ids: None, torch.device("cpu"), 64)
 
 
 def _steps(n: int):
@@ -70,9 +62,8 @@ def _until(condition, timeout=5.0) -> bool:
 
 
 def test_a_step_is_planned_only_once_the_one_before_has_begun_and_close_waits_for_that_plan():
-    store = _Store()
-    tier = store.tier
-    with RowPipeline(_steps(4), store, num_micro_batches=1) as pipeline:  # step 1: allowed from the start, released
+    tier = _Tier()
+    with _pipeline(tier).open(_steps(4), num_micro_batches=1) as pipeline:  # step 1: allowed from the start, released
         assert torch.equal(pipeline.announced, torch.tensor([1, 11]))
         time.sleep(0.3)
         assert len(tier.steps) == 1  # step 2's ids are read, but step 1 has not begun

@@ -168,11 +168,11 @@ def test_a_checkpoint_holding_nan_or_inf_is_never_sealed(world_of_one, tmp_path,
                "r": ShardedTensor.from_rank_offsets("decoder.r", moment.clone(), replica_id=1)}
     table = torch.zeros(8, 4)
     table[7, 0] = float("inf")
-    store = SimpleNamespace(settle=lambda: None, sharded_state_dict=lambda: {
+    tables = SimpleNamespace(hosted=True, sharded_state_dict=lambda: {
         "L2.weight": ShardedTensor.from_rank_offsets("stem.L2.weight.by_owner", table)})
     monkeypatch.setattr(dense, "state", lambda model, optimizer: weights)
     monkeypatch.setattr(dense, "write", lambda *args: pytest.fail("a non-finite checkpoint was written"))
-    trainer = SimpleNamespace(model=None, dense_optimizer=None, store=store, scheduler=None)
+    trainer = SimpleNamespace(model=None, optimizer=SimpleNamespace(dense=None, tables=tables), scheduler=None)
     with pytest.raises(CheckpointError) as refused:
         manager.save(cfg, trainer, None, 5)
     assert str(refused.value) == (

@@ -37,12 +37,13 @@ def _owned_training(nodes: int, optimizer: str, wire: str, cache_rows: int, copi
     import torch.distributed as dist
 
     from stem_megatron.host_tables.row_optimizer import RowAdam
-    from stem_megatron.host_tables.store import HostTableStore
+    from stem_megatron.config import HostTablesConfig
+    from stem_megatron.host_tables.store import HostTableStore, StoreConfig
 
     rank, world = dist.get_rank(), dist.get_world_size()
     os.environ["GROUP_RANK"] = str(rank * nodes // world)  # the launcher's node: ranks node by node
-    store = HostTableStore(list(LAYERS), V, D_FF, init_std=0.5, seed=3, optimizer=optimizer, weight_decay=0.1,
-                           wire_dtype=wire, cache_rows=cache_rows, read_dtype=copies)
+    host = HostTablesConfig(optimizer=optimizer, wire_dtype=wire, cache_rows=cache_rows, read_dtype=copies)
+    store = HostTableStore(StoreConfig(tuple(LAYERS), V, D_FF, init_std=0.5, seed=3, host=host, weight_decay=0.1))
     ref = {layer: store.owner_table(layer) for layer in LAYERS}  # fp32 masters, gathered on rank 0
     dist.broadcast_object_list(objs := [ref], src=0)
     ref = objs[0]

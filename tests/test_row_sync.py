@@ -138,7 +138,7 @@ def test_script_prints_and_writes_records(tmp_path, capsys):
     np.save(tmp_path / "counts.npy", _counts())
     rs.main(["--counts", str(tmp_path / "counts.npy"), "--json", str(tmp_path / "out.json"), "--nodes", ""])
     out = capsys.readouterr().out
-    assert "D(B)" in out and "Goal (issue 16)" in out and all(d in out for d in rs.DESIGNS)
+    assert "D(B)" in out and "Goal: owner <= 0.5x Hash-MoE EP=16" in out and all(d in out for d in rs.DESIGNS)
     records = json.loads((tmp_path / "out.json").read_text())
     assert records == json.loads(json.dumps(rs.projected(S)))
 
@@ -202,10 +202,11 @@ def _late_copies(store) -> None:
 def _tables_after_three_steps(late: bool) -> dict:
     """A working set of 96 slots over 256 rows, three steps of ``backward_one_step`` (tests/test_gpu.py's working-set
     script, on the CPU), through ``_late_copies`` or not; the tables after."""
-    from stem_megatron.host_tables.store import HostTableStore
+    from stem_megatron.config import HostTablesConfig
+    from stem_megatron.host_tables.store import HostTableStore, StoreConfig
 
-    store = HostTableStore([1, 2], 256, 16, init_std=0.02, seed=0, resident_rows=96, micro_batch_tokens=64,
-                           micro_batches=1)
+    store = HostTableStore(StoreConfig((1, 2), 256, 16, init_std=0.02, seed=0, host=HostTablesConfig(resident_rows=96),
+                                       micro_batch_tokens=64, micro_batches=1))
     draw = lambda step: torch.randint(0, 256, (1, 64), generator=torch.Generator().manual_seed(step))  # noqa: E731
     if late:
         _late_copies(store)

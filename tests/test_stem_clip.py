@@ -30,8 +30,6 @@ def _one_step(cfg, weights, boost):
     gets. ``boost`` multiplies the gradient reaching the table rows (a hook on each micro-batch's row leaf as the
     store tracks it), so the tables' norm can exceed the dense one; the dense gradients do not depend on it."""
     from megatron.core import parallel_state
-
-    from stem_megatron.training.data_stream import with_rows
     from stem_megatron.training.setup import setup_model
     from stem_megatron.training.step import train_step
 
@@ -42,15 +40,15 @@ def _one_step(cfg, weights, boost):
                 p.copy_(weights[name])
             else:
                 weights[name] = p.detach().clone()
-    track = trainer.store.grads.track
+    track = trainer.tables.grads.track
 
     def boosted(layer, in_step, rows):
         rows.register_hook(lambda grad: grad * boost)  # before the gradient accumulates into the leaf
         track(layer, in_step, rows)
 
-    trainer.store.grads.track = boosted
+    trainer.tables.grads.track = boosted
     dense, rows = [], []
-    optimizer, adam = trainer.optimizer, trainer.store.optimizer.adam
+    optimizer, adam = trainer.optimizer, trainer.tables.optimizer.adam
     step_with_ready_grads, update_rows = optimizer.step_with_ready_grads, adam.update_rows
 
     def capture_dense():
@@ -67,8 +65,7 @@ def _one_step(cfg, weights, boost):
     seqs = torch.randint(0, MODEL.vocab_size, (cfg.train.global_batch_size, MODEL.seq_length + 1),
                          generator=torch.Generator().manual_seed(5))
     batches = [seqs[(k * dp + dp_rank) * MICRO:(k * dp + dp_rank + 1) * MICRO] for k in range(n_micro)]
-    with with_rows(iter([{"tokens": s[:, :-1], "labels": s[:, 1:]} for s in batches]), trainer.store,
-                   n_micro) as data:
+    with trainer.tables.stream(iter([{"tokens": s[:, :-1], "labels": s[:, 1:]} for s in batches]), n_micro) as data:
         record = train_step(trainer, data, n_micro, MICRO, MODEL.seq_length, MODEL.vocab_size)
     return record, dense, rows
 

@@ -8,18 +8,19 @@ import pytest
 import torch
 
 from stem_megatron.config import RunConfig
+from stem_megatron.host_tables.placement import NoTables
 from stem_megatron.training.components import step_meter as module
 from stem_megatron.training.components.step_meter import StepMeter
 
 
 class Store:
-    """Stands in for the host table store: counters that a take resets."""
+    """Stands in for the host table store: counters that a take resets, and the stream's wait for rows."""
 
     def __init__(self):
         self.rows = 0
 
-    def take_stats(self):
-        stats, self.rows = {"stem_rows_fetched": self.rows}, 0
+    def take_stats(self, stream):
+        stats, self.rows = {"stem_rows_fetched": self.rows, "stem_prefetch_wait_s": stream.take_wait_s()}, 0
         return stats
 
 
@@ -33,9 +34,9 @@ def test_the_record_holds_each_measure_once_in_its_order(world_of_one, monkeypat
     monkeypatch.setattr(module, "take_moe_stats", lambda model: {"moe_all_to_all_bytes": 64})
     cfg = RunConfig()
     cfg.train.global_batch_size, cfg.model.seq_length = 4, 32  # 128 tokens a step
-    store = Store() if host_tables else None
-    meter = StepMeter(cfg, SimpleNamespace(store=store, model=torch.nn.Linear(2, 2)), last_step=10)
-    if store:
+    store = Store() if host_tables else NoTables()
+    meter = StepMeter(cfg, SimpleNamespace(tables=store, model=torch.nn.Linear(2, 2)), last_step=10)
+    if host_tables:
         store.rows = 7
     record = meter.record(3, {"loss": 2.0, "lr": 1e-3}, 0.5, Stream())
     tables = ["stem_rows_fetched", "stem_prefetch_wait_s"] if host_tables else []

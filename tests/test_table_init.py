@@ -36,16 +36,20 @@ def test_std_per_setting(preset, scaled, xavier):
 
 def _both_placements():
     """Per case: this TP rank's slice of each table on the device and in the host store, and the full host tables."""
-    from stem_megatron.host_tables.store import build_store
+    from megatron.core import parallel_state
+
+    from stem_megatron.host_tables.placement import build_tables
     from stem_megatron.model.gpt import build_gpt
     from stem_megatron.model.stem_mlp import STEMMLP
+    from stem_megatron.training.data_stream import micro_batches_per_step
 
     out = []
     for table_init, std, _ in CASES:
         cfg = RunConfig(model=MODEL, stem=STEMConfig(ratio="1/2", table_init=table_init, table_init_std=std),
                         parallel=ParallelConfig(tensor_model_parallel_size=2))
         tconfig = transformer_config(cfg.model, cfg.parallel, on_gpu=False, stem=cfg.stem)
-        store = build_store(cfg, tconfig, torch.device("cpu"))
+        store = build_tables(cfg, tconfig, torch.device("cpu"),
+                             micro_batches_per_step(cfg, parallel_state.get_data_parallel_world_size()))
         model = build_gpt(cfg.model, cfg.stem, tconfig, seed=cfg.train.seed)
         device = {m.layer_number: m.U_l.weight.detach().clone() for m in model.modules() if isinstance(m, STEMMLP)}
         cols = slice(store.tp_rank * store.cols, (store.tp_rank + 1) * store.cols)  # the store keeps rows by owner

@@ -33,22 +33,21 @@ def _slow_decay():
     preload of the step after comes while that decay is under way, and must wait for its rows."""
     import time
 
-    from stem_megatron.host_tables import row_optimizer
+    from stem_megatron.host_tables import adam_thread
 
-    row_optimizer.CHUNK_ELEMENTS = 1
-    run = row_optimizer.LaterDecay.run
+    adam_thread.CHUNK_ELEMENTS = 1
+    run = adam_thread.LaterDecay.run
 
     def slowly(self, ids, decay):
         return run(self, ids, lambda chunk: (time.sleep(0.002), decay(chunk)))
 
-    row_optimizer.LaterDecay.run = slowly
+    adam_thread.LaterDecay.run = slowly
 
 
 def _train(tp, pp, optimizer, read_dtype, resident_rows):
     """``STEPS`` steps; after steps 3 and 6 the whole tables are read (as a checkpoint or an export reads them) and
     a validation pass runs on the same store. Returns losses, grad norms, validation losses, the tables and moments,
     and the working set's counters. With a dense working set the decay beside the step is slowed (``_slow_decay``)."""
-    from stem_megatron.training.data_stream import with_rows
     from stem_megatron.training.setup import setup_model
     from stem_megatron.training.step import forward_backward, train_step
 
@@ -61,11 +60,11 @@ def _train(tp, pp, optimizer, read_dtype, resident_rows):
         _slow_decay()
     torch.manual_seed(0)
     trainer = setup_model(cfg)
-    store = trainer.store
+    store = trainer.tables
     n_micro = GLOBAL // (MICRO * torch.distributed.get_world_size(store.grads.dp_group))
     out = {"loss": [], "grad_norm": [], "valid": [], "tables_mid": [], "entered": 0, "ahead": 0, "staged": 0,
            "left": 0, "asked": 0}
-    with with_rows(_data(STEPS), store, n_micro) as data:
+    with store.stream(_data(STEPS), n_micro) as data:
         for step in range(1, STEPS + 1):
             result = train_step(trainer, data, n_micro, MICRO, MODEL.seq_length, MODEL.vocab_size)
             out["loss"].append(result["loss"])
@@ -79,7 +78,7 @@ def _train(tp, pp, optimizer, read_dtype, resident_rows):
             if step in (3, 6):
                 out["tables_mid"].append({layer: store.table(layer) for layer in store.layers})
                 trainer.model.eval()
-                with with_rows(_data(1, seed=99), store, n_micro, training=False) as valid, torch.no_grad():
+                with store.stream(_data(1, seed=99), n_micro, training=False) as valid, torch.no_grad():
                     out["valid"].append(forward_backward(trainer.model, valid, n_micro, MICRO, MODEL.seq_length,
                                                          MODEL.vocab_size, forward_only=True))
                 trainer.model.train()
@@ -107,7 +106,7 @@ CASES = {  # (tp, pp, dp, optimizer, read_dtype, resident_rows): rows enter and 
 @pytest.mark.parametrize("case", CASES)
 def test_working_set_trains_bitwise_like_the_host_step(case):
     """At DP = 2 each rank's set holds the rows it owns and every rank reads its step's rows from their owners
-    (``device_tier.StepRows``), loading its rows of a step as its prefetch thread plans it: still bitwise the host
+    (``step_rows.StepRows``), loading its rows of a step as its prefetch thread plans it: still bitwise the host
     step, whose owners update on the host and pull. With dense Adam the rows loaded ahead are those whose host decay
     of the step before was asked for first, while that decay ran a row at a time."""
     tp, pp, dp, optimizer, read_dtype, resident_rows = CASES[case]
@@ -194,8 +193,9 @@ def _staged_run(staged_rows, switch_at=None, dense=False):
     the ones preloaded. ``dense``: the recipe's dense Adam, whose rows outside the set decay on the host (the entering
     ones in ``admit``, the others after it, as ``device_tier`` does). Returns the slots' state and map after every
     step, the host record at the end, the counters."""
-    from stem_megatron.host_tables.row_optimizer import MissedUpdate
-    from stem_megatron.host_tables.row_state import KINDS, StagedRows
+    from stem_megatron.host_tables.adam_thread import MissedUpdate
+    from stem_megatron.host_tables.row_state import KINDS
+    from stem_megatron.host_tables.staged_rows import StagedRows
     from stem_megatron.host_tables.working_set import WorkingSet
 
     g = torch.Generator().manual_seed(5)
@@ -272,7 +272,8 @@ def test_the_decay_beside_the_step_takes_asked_rows_first_and_ends_as_in_one_pie
     import threading
     import time
 
-    from stem_megatron.host_tables.row_optimizer import CHUNK_ELEMENTS, LaterDecay, RowAdam
+    from stem_megatron.host_tables.adam_thread import CHUNK_ELEMENTS, LaterDecay
+    from stem_megatron.host_tables.row_optimizer import RowAdam
 
     g = torch.Generator().manual_seed(2)
     V, cols = 400, 8

@@ -215,11 +215,13 @@ def _working_set_steps(optimizer: str, on_lanes: bool) -> dict:
     ``on_lanes``: on the stand-in device, every access audited; else on the CPU. Both run torch's fused AdamW (the
     GPU's kernel). Returns the CSAN reports, the lanes that touched device tensors, the rows moved and the tables and
     moments after."""
-    from stem_megatron.host_tables.store import HostTableStore
+    from stem_megatron.config import HostTablesConfig
+    from stem_megatron.host_tables.store import HostTableStore, StoreConfig
 
     harness = _harness()
-    store = HostTableStore([1, 2], V, COLS, init_std=0.02, seed=0, resident_rows=SLOTS, optimizer=optimizer,
-                           micro_batch_tokens=TOKENS, micro_batches=1, compute_dtype=torch.bfloat16)
+    store = HostTableStore(StoreConfig((1, 2), V, COLS, init_std=0.02, seed=0,
+                                       host=HostTablesConfig(resident_rows=SLOTS, optimizer=optimizer),
+                                       micro_batch_tokens=TOKENS, micro_batches=1, compute_dtype=torch.bfloat16))
     store.tier.ws.optimizer.kernel = "fused"
     lanes = Lanes() if on_lanes else None
     if lanes is not None:

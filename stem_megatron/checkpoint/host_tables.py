@@ -1,4 +1,6 @@
-"""STEM tables and their Adam moments (host store) in a checkpoint, through megatron-core dist-checkpointing.
+"""STEM tables and their Adam moments (host store) in a checkpoint, through megatron-core dist-checkpointing and the
+optimizer chain's tables member (``training/table_optimizer.TableOptimizer``; a run without host tables has none, and
+its checkpoint no ``stem/``).
 
 The store keeps rows in the ownership permutation's order (``ownership.RowOwnership``), and so does the
 checkpoint: per layer one global ``V x d_ff`` tensor per kind, ``stem.L<layer>.weight.by_owner`` (the fp32
@@ -7,7 +9,8 @@ node writes its contiguous range of rows (its first DP peer: the peers share the
 rank its column block. On load every rank asks for what its own layout needs: its node's range of master
 rows and moments and, with fp32 copies, the whole table straight into the node's copy (bf16 copies are
 filled from the owners instead: ``HostTableStore.restore``). megatron reshards: a run resumes under
-another TP, PP, DP size or node count. The Adam step count is ``steps_done`` (train state).
+another TP, PP, DP size or node count. A resume sets the Adam step count (the member's ``state_dict``) to the train
+state's step.
 """
 
 from __future__ import annotations
@@ -19,34 +22,39 @@ from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.validation import StrictHandling
 
 from stem_megatron.checkpoint.atomic import CheckpointError
-from stem_megatron.host_tables.store import CHECKPOINT_KINDS, HostTableStore
+from stem_megatron.host_tables.store import CHECKPOINT_KINDS
 
 
-def state(store: HostTableStore) -> dict:
-    """This node's master rows and moments of this stage, as ``save`` writes them, the last step's updates done."""
-    store.settle()
-    return store.sharded_state_dict()
+def state(tables) -> dict:
+    """This node's master rows and moments of this stage, as ``save`` writes them, the last step's updates done;
+    ``tables``: the optimizer chain's member (``FiniteChain.tables``)."""
+    return tables.sharded_state_dict()
 
 
-def save(sharded: dict, directory: Path) -> None:
-    """Write ``state``'s rows (collective over the world)."""
+def save(tables, sharded: dict, directory: Path) -> None:
+    """Write ``state``'s rows (collective over the world); a run without host tables writes no ``stem/``."""
+    if not tables.hosted:
+        return
     Path(directory).mkdir(exist_ok=True)
     dist_checkpointing.save(sharded, str(directory))
 
 
-def load(store: HostTableStore, directory: Path, kinds: tuple[str, ...] = CHECKPOINT_KINDS,
+def load(tables, directory: Path, kinds: tuple[str, ...] = CHECKPOINT_KINDS,
          steps_done: Optional[int] = None) -> None:
     """Fill the node-shared tables of this stage from a checkpoint, resharded to this run's layout
     (collective over the world); ``kinds=("weight",)`` takes only the tables (a new run keeps its fresh,
     zero Adam moments); ``steps_done``: resuming, the Adam step count to continue from. The first DP peer of each
-    node loads straight into the shared memory; the other ranks of the node read nothing."""
-    wanted = store.sharded_state_dict(kinds, loading=True)
+    node loads straight into the shared memory; the other ranks of the node read nothing. Without host tables:
+    nothing."""
+    if not tables.hosted:
+        return
+    wanted = tables.sharded_state_dict(is_loading=True, kinds=kinds)
     try:
         loaded = dist_checkpointing.load(wanted, str(directory), strict=StrictHandling.LOG_UNEXPECTED)
     except Exception as error:  # megatron reports a missing layer or a shape mismatch in its own terms
-        raise CheckpointError(f"{directory}: the STEM tables of layers {store.layers} ({', '.join(kinds)}) do not load "
-                              f"({type(error).__name__}: {error}); resume with the checkpoint's STEM layer plan, "
-                              f"model.vocab_size and model.ffn_hidden_size") from error
+        raise CheckpointError(f"{directory}: the STEM tables of layers {tables.store.layers} ({', '.join(kinds)}) do "
+                              f"not load ({type(error).__name__}: {error}); resume with the checkpoint's STEM layer "
+                              f"plan, model.vocab_size and model.ffn_hidden_size") from error
     for key, sharded in wanted.items():
         sharded.data.copy_(loaded[key])  # a no-op where megatron loaded in place
-    store.restore(steps_done)
+    tables.load_state_dict({} if steps_done is None else {"steps_done": steps_done})

@@ -51,7 +51,7 @@ def _layout() -> dict:
 
 def _identity(cfg: RunConfig) -> dict:
     """What must match for a checkpoint to load: the model and which layers are STEM / where tables live. ``stem``:
-    the flat dict of before issue 54 (``config_moves.flat_stem``), so checkpoints saved before it still load; the
+    the flat dict (``config_moves.flat_stem``), the layout every checkpoint records, so all of them load; the
     calibration's fields decide only a new run's tables (``checkpoint.init_from_hf``), a resume loads them."""
     stem = flat_stem(*(dataclasses.asdict(group) for group in (cfg.stem, cfg.host_tables, cfg.hash_moe)))
     return {"model": dataclasses.asdict(cfg.model),
@@ -66,15 +66,15 @@ def save(cfg: RunConfig, trainer, detector, step: int) -> Path:
     checked finite before anything is written (``finite``); a failed write leaves no partial directory, and one that
     failed for want of space or write access ends the run in one line (``disk``). Either way ``latest`` stays."""
     root, c = root_dir(cfg), cfg.checkpoint
-    weights = dense.state(trainer.model, trainer.dense_optimizer)
-    tables = host_tables.state(trainer.store) if trainer.store is not None else {}
+    chain = trainer.optimizer  # the dense optimizer and the host tables' member (or their absence)
+    weights = dense.state(trainer.model, chain.dense)
+    tables = host_tables.state(chain.tables)
     size = finite.check([weights, tables], step, root)
     meta = {"layout": _layout(), **_identity(cfg), "train": dataclasses.asdict(cfg.train)}
     try:
         staging = atomic.staging_dir(root, step)
         dense.write(weights, staging / "dense")
-        if trainer.store is not None:
-            host_tables.save(tables, staging / "stem")
+        host_tables.save(chain.tables, tables, staging / "stem")
         train_state.save(staging, step, trainer.scheduler, detector)
         return atomic.commit(staging, step, meta, c.keep, c.keep_every)
     except (Exception, WriteFailure) as error:
@@ -212,10 +212,9 @@ def load(path: Path, manifest: dict, cfg: RunConfig, trainer, detector) -> int:
     (collective)."""
     layout = _layout()
     _check_compatible(cfg, manifest, path, layout)
-    dense.load(trainer.model, trainer.dense_optimizer, path / "dense", manifest["step"])
+    dense.load(trainer.model, trainer.optimizer.dense, path / "dense", manifest["step"])
     step = train_state.load(path, trainer.scheduler, detector, manifest["layout"], layout)
-    if trainer.store is not None:
-        host_tables.load(trainer.store, path / "stem", steps_done=step)
+    host_tables.load(trainer.optimizer.tables, path / "stem", steps_done=step)
     dist.barrier()
     return step
 
@@ -239,6 +238,5 @@ def init_weights(path: Path, cfg: RunConfig, trainer) -> None:
                               f"model.* settings (only seq_length may differ)")
     dense.load_weights(trainer.model, path / "dense")
     trainer.optimizer.reload_model_params()
-    if trainer.store is not None:
-        host_tables.load(trainer.store, path / "stem", kinds=("weight",))
+    host_tables.load(trainer.optimizer.tables, path / "stem", kinds=("weight",))
     dist.barrier()

@@ -84,7 +84,7 @@ def write_export(out_dir, run_config: RunConfig, weights: Mapping[str, torch.Ten
 
 def read_export(path) -> tuple[RunConfig, dict[str, torch.Tensor], Optional[Path]]:
     """``(run_config, weights, tokenizer.json path or None)`` of an export, checked against its model (an export
-    written before issue 54 split ``stem`` read as today's layout).
+    with the flat ``stem`` layout read into the current one).
 
     Building the reference model needs a TP=PP=EP=1 megatron state (started here when none exists).
     """

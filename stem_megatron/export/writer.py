@@ -60,15 +60,10 @@ def export(cfg: RunConfig, trainer, out_dir: Path, tokenizer_path: Path | None =
         full = _full(param)
         if _owner(param):
             part[names[name]] = full
-    store = trainer.store
-    if store is not None:  # every TP rank's rows current (a working set's written back) before TP rank 0 reads them
-        store.settle()
-        dist.barrier()
-    if store is not None and store.tp_rank == 0:  # the owners' fp32 rows, gathered on DP rank 0
-        for layer in store.layers:
-            table = store.owner_table(layer)
-            if table is not None:
-                part[f"decoder.layers.{layer - 1}.mlp.U_l.weight"] = table
+    trainer.tables.settle()  # every TP rank's rows current (a working set's written back) before TP rank 0 reads them
+    dist.barrier()
+    for layer, table in trainer.tables.owner_tables().items():  # the owners' fp32 rows, on DP and TP rank 0
+        part[f"decoder.layers.{layer - 1}.mlp.U_l.weight"] = table
     torch.save(part, scratch / f"rank{dist.get_rank()}.pt")
     dist.barrier()
     if dist.get_rank() == 0:

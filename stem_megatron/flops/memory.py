@@ -17,7 +17,7 @@ ahead (``staged_bytes``). The dense model has no host copy.
 Device, per GPU (per rank on CPU, where it is host memory too): dense parameters (bf16 on GPU, fp32 on CPU),
 their fp32 gradient buffer (``grad_reduce_in_fp32``), megatron's Adam state (fp32 main parameters on GPU and 2
 moments; sharded over DP with the distributed optimizer), the hot-row cache, the compact rows of the
-micro-batches in flight and the step's merged row gradients (``pipeline.RowGradients``), and the
+micro-batches in flight and the step's merged row gradients (``row_gradients.RowGradients``), and the
 activations of the micro-batches 1F1B keeps in flight at their peak (``activations.py``). On CPU with DP > 1 and
 the distributed optimizer, gloo's flat staging copy of the DDP buffer its reduce-scatter and all-gather make.
 
@@ -205,7 +205,7 @@ def plan(cfg: RunConfig, layout: Layout, distinct_ids: Optional[int] = None,
             + layers * step_uniq * travel_row * (dp > 1 and h.resident_rows > 0),
             # the step's merged row gradients (one buffer a layer over its distinct ids), the fp32 rows of the
             # micro-batches in flight and queued by the prefetcher (a working set's queue holds slots, not rows),
-            # one micro-batch's gradient being merged and one layer's exchange (pipeline.RowGradients)
+            # one micro-batch's gradient being merged and one layer's exchange (row_gradients.RowGradients)
             "step_rows": (layers * step_uniq + min(micro, in_flight + h.prefetch_depth * (not h.resident_rows))
                           * layers * uniq + bool(layers) * (uniq + 2 * step_uniq)) * row,
             "activations": activation_bytes(cfg, layout, p, in_flight, uniq),

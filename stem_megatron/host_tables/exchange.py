@@ -51,7 +51,7 @@ class Route:
 
     def on(self, device: torch.device) -> Route:
         """The route with its positions on ``device`` (a plan made on the prefetch thread keeps them on the host
-        until the training thread takes it: its copies then go where today's do, on that thread's stream)."""
+        until the training thread takes it: its copies then go, as every step's do, on that thread's stream)."""
         keep, send, inverse, by_id, adding = (copy_to_device(t, device) for t in (
             self.keep, self.send, self.inverse, self.by_id, self.adding))
         return replace(self, keep=keep, send=send, inverse=inverse, by_id=by_id, adding=adding)
@@ -70,6 +70,11 @@ class RowExchange:
     @staticmethod
     def new_stats() -> dict:
         return dict(bytes_sent=0, inter_node_sent=0, inter_node_received=0, exchange_s=0.0)
+
+    def take_stats(self) -> dict:
+        """The counters since the last take, reset."""
+        stats, self.stats = self.stats, self.new_stats()
+        return stats
 
     def _count(self, group, sent: int, received: int) -> None:
         if group is not None and group in (self.local_plan, self.rail_plan):

@@ -16,58 +16,12 @@ from typing import Callable
 import torch
 
 from stem_megatron.host_tables.exchange import RowExchange
+from stem_megatron.host_tables.hot_rows import HotRowCache
 from stem_megatron.host_tables.row_optimizer import RowOptimizer
 from stem_megatron.host_tables.row_state import HostRecord
 from stem_megatron.host_tables.transfer import HostToDevice, PrefetchedRows, fetch_rows, landed, travel_dtype
 
 Grads = dict  # layer -> (ids this rank updates, their gradients, the event ending their copy to the host)
-
-
-class HotRowCache:
-    """Per-layer device copies of the ``capacity`` most frequent rows; a capacity of 0 disables it.
-
-    Token frequencies are Zipfian, so a few thousand rows cover most lookups. Rows are chosen from the token counts
-    seen so far, re-chosen every ``refresh_every`` steps, and re-read after every step (the hottest rows are touched,
-    so updated, by nearly every step), so a cached row is never stale. They are re-read as fetched rows are, through a
-    fetch's pinned staging on the side stream, where the fetches that read them run: no event between streams. A
-    working set replaces it (``config.validate``): it holds the hot rows with their state."""
-
-    def __init__(self, capacity: int, vocab_size: int, device: torch.device, refresh_every: int = 50):
-        self.capacity = min(capacity, vocab_size)
-        self.device = device
-        self.refresh_every = refresh_every
-        self.counts = torch.zeros(vocab_size, dtype=torch.int64)
-        self.ids = torch.empty(0, dtype=torch.int64)
-        self.rows: dict[int, torch.Tensor] = {}
-
-    def observe(self, uniq: torch.Tensor, counts: torch.Tensor) -> None:
-        self.counts.index_add_(0, uniq, counts)
-
-    def split(self, uniq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(hit mask over ``uniq``, positions of the hits in the cache)."""
-        if self.ids.numel() == 0:
-            return torch.zeros_like(uniq, dtype=torch.bool), torch.empty(0, dtype=torch.int64)
-        pos = torch.searchsorted(self.ids, uniq).clamp_(max=self.ids.numel() - 1)
-        hit = self.ids[pos] == uniq
-        return hit, pos[hit]
-
-    def choose(self, step: int) -> bool:
-        """Re-choose the held ids (``ids``) after step ``step`` when due (every ``refresh_every`` steps); True if it
-        did."""
-        if not self.capacity or (step % self.refresh_every != 1 and self.ids.numel()):
-            return False
-        self.ids = torch.sort(torch.topk(self.counts, self.capacity).indices).values
-        return True
-
-    def reload(self, tables: dict[int, torch.Tensor], h2d: HostToDevice, at=None) -> None:
-        """Copy the held rows from the (current) host tables through ``h2d`` (a layer a transfer, in the precision
-        rows travel in); ``at`` maps ids to table rows (default: row = id)."""
-        if not self.ids.numel():
-            return
-        rows_at = self.ids if at is None else at(self.ids)
-        for layer, table in tables.items():
-            with h2d.transfer() as send:
-                self.rows[layer] = send.gather(table, rows_at)
 
 
 class HostTier:
@@ -76,9 +30,9 @@ class HostTier:
 
     def __init__(self, record: HostRecord, exchange: RowExchange, optimizer: RowOptimizer, updates, counters: dict,
                  h2d: HostToDevice, cache: HotRowCache):
-        """``updates``: the Adam thread (``pipeline.RowUpdates``); ``counters``: the store's step counters."""
+        """``updates``: the Adam thread (``adam_thread.RowUpdates``); ``counters``: the store's step counters."""
         self.record, self.exchange, self.optimizer, self.updates = record, exchange, optimizer, updates
-        self.stats, self.h2d, self.cache = counters, h2d, cache
+        self.counters, self.h2d, self.cache = counters, h2d, cache
         self.layers, self.cols = record.layers, record.cols
         self.parts = []  # parts with counters of their own
         self.row_bytes = row_bytes(record, h2d)
@@ -106,9 +60,10 @@ class HostTier:
     def read(self, layer: int, prefetched: PrefetchedRows) -> torch.Tensor:
         return prefetched.fetched.rows[layer]
 
-    def planned(self, ids: torch.Tensor) -> None:
-        """None: a step's routes to the owners are planned as it begins (``RowGradients.begin``)."""
-        return None
+    def planned(self, ids: torch.Tensor) -> tuple[list, torch.Tensor]:
+        """(a step of the sorted ``ids`` begins) The routes of its rows to their owners and the ids this rank updates,
+        planned now (``RowExchange.plan``: a collective over the exchange groups' gloo twins)."""
+        return self.exchange.plan(ids)
 
     def admit(self, ids: torch.Tensor) -> None:
         """Nothing beyond the refresh: the node's copy is where rows are read."""
@@ -136,8 +91,8 @@ class HostTier:
             parts = ((rows[now], rows[~now]) if dense else (local[:k], local[k:]))
             first.append((layer, parts[0], local[:k], layer_grads, order[:k]))
             rest.append((layer, parts[1], local[k:], layer_grads, order[k:]))
-            self.stats["rows_updated"] += parts[0].numel() + parts[1].numel()
-            self.stats["rows_updated_later"] += parts[1].numel()
+            self.counters["rows_updated"] += parts[0].numel() + parts[1].numel()
+            self.counters["rows_updated_later"] += parts[1].numel()
 
         def update_now() -> None:
             """The first part, then the rest's gradients out of the landing buffers (the next step's land there) into
@@ -151,12 +106,13 @@ class HostTier:
                 record.current.fill_(False)  # every row changed (the owned ones are never asked for)
             else:
                 record.current[self.exchange.updated_elsewhere(updated)] = False
-        self.stats["rows_pulled"] += record.pull(reads, self.exchange)
+        self.counters["rows_pulled"] += record.pull(reads, self.exchange)
         self.cache.reload(record.read, self.h2d, own.position)
         return lambda: self._update(step, lr, rest)
 
-    def write_back(self) -> None:
-        """Nothing: the host record is where rows are updated."""
+    def settle(self) -> None:
+        """The last step's CPU Adam done (the host record is where rows are updated)."""
+        self.updates.settle()
 
     def drop(self, steps_done: int | None = None) -> None:
         """The host record was loaded anew (after ``steps_done`` steps: a checkpoint): the cached rows chosen again

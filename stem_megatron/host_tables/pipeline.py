@@ -13,176 +13,23 @@ cause.
 
 Collectives: every one of a step is issued on the training thread (or inside backward, by ``RowGradients``' hooks),
 in one order on every rank; the prefetch thread issues only on the planning groups, the Adam thread none.
-
-``RowGradients`` (megatron DDP's names, a layer its bucket): as backward fills a micro-batch's compact row gradient it
-is added into one fp32 buffer per layer over the step's distinct ids (in micro-batch order) and the micro-batch's rows
-are let go (``_register_grad_ready``). Once a layer's last micro-batch is in, the layer goes to its owners
-(``_start_grad_sync``: ``RowExchange.to_owners``, averaged over DP) and, for the host tier, lands in pinned host buffers
-on a side stream: from the hook itself (``host_tables.overlap_exchange``), else after backward (``finish_grad_sync``).
-Every rank finishes its layers in one order, so the exchange takes one place among the step's collectives on every rank.
 """
 
 from __future__ import annotations
 
-import functools
 import queue
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Iterator, NamedTuple, Optional
 
 import torch
-import torch.distributed as dist
-from megatron.core import parallel_state
 
 from stem_megatron.data.integrity import check_token_ids
-from stem_megatron.host_tables.exchange import Route, RowExchange
+from stem_megatron.host_tables.adam_thread import RowUpdates
 from stem_megatron.host_tables.node import enter_host_thread, host_threads
-from stem_megatron.host_tables.transfer import DeviceToHost, landed
-
-Landed = tuple[torch.Tensor, torch.Tensor, Optional[torch.cuda.Event]]  # (ids, gradients, their copy's end)
-
-
-class RowGradients:
-    """Per STEM layer, the step's row gradients: merged on the device, exchanged, landed on the host."""
-
-    def __init__(self, layers: list[int], cols: int, exchange: RowExchange, dp_group, device: torch.device,
-                 overlap: bool, landing_rows: int = 0, to_host: bool = True):
-        """``landing_rows``: the most rows this rank updates in a step (``transfer.landing_rows``), whose pinned
-        landing buffers are reserved here (GPU). ``to_host``: False where the rows are updated on the device (a
-        working set): the gradients stay there."""
-        self.layers, self.cols, self.exchange, self.dp_group, self.device = layers, cols, exchange, dp_group, device
-        self.overlap, self.to_host = overlap, to_host
-        self.d2h = DeviceToHost(device)
-        for layer in layers if to_host else ():
-            self.d2h.reserve(layer, landing_rows * cols * 4)
-        self.stats = self.new_stats()
-        self._routes: Optional[list[Route]] = None  # the step's rows on their way to the owners; None: no step
-        self._owned = torch.empty(0, dtype=torch.int64)  # the sorted ids this rank updates in the step
-        self._size = self._micro_batches = 0  # the step's distinct ids, its micro-batches
-        self._merged: dict[int, torch.Tensor] = {}  # layer -> [step's distinct ids, cols] fp32 on the device
-        self._filled = dict.fromkeys(layers, 0)
-        self._sent: dict[int, tuple[Landed, torch.Tensor]] = {}  # layers sent from backward
-        self._held = 0  # device bytes of registered rows and merged gradients
-
-    @staticmethod
-    def new_stats() -> dict:
-        """``device_row_bytes_peak``: the most device bytes the step held in row leaves registered by the
-        forward and not yet merged, their gradient being merged and the merged buffers (the memory plan's
-        ``step_rows`` less the prefetcher's queue). ``exchange_wait_s``: the step's wait after backward for
-        layers not sent during it."""
-        return dict(bytes_from_device=0, layers_sent_in_backward=0, exchange_wait_s=0.0, device_row_bytes_peak=0)
-
-    def _hold(self, nbytes: int, transient: int = 0) -> None:
-        self._held += nbytes
-        self.stats["device_row_bytes_peak"] = max(self.stats["device_row_bytes_peak"], self._held + transient)
-
-    def begin(self, ids: torch.Tensor, micro_batches: int, plan: Optional[tuple[list[Route], torch.Tensor]] = None
-              ) -> None:
-        """A step of ``micro_batches`` reading the sorted distinct ``ids`` starts: its routes to the owners are
-        settled here, on the training thread (a collective over the exchange groups' gloo twins), unless the
-        ``plan`` of these ids (``RowExchange.plan``) was made already (a working set plans the step ahead)."""
-        self._routes, self._owned = plan if plan is not None else self.exchange.plan(ids)
-        self._size, self._micro_batches = ids.numel(), micro_batches
-        self._filled = dict.fromkeys(self.layers, 0)
-
-    def track(self, layer: int, in_step: Optional[torch.Tensor], rows: torch.Tensor) -> None:
-        """(forward) Merge ``rows.grad`` into the step's buffer of ``layer`` when backward fills it;
-        ``in_step``: positions of the rows' ids among the step's ids, on the device."""
-        if self._routes is None or in_step is None:
-            raise RuntimeError("STEM rows were read outside a training step: read the batches through "
-                               "HostTableStore.stream, which begins each step and fetches it with its ids")
-        rows.register_post_accumulate_grad_hook(functools.partial(self._register_grad_ready, layer, in_step))
-        self._hold(rows.numel() * rows.element_size())
-
-    def _register_grad_ready(self, layer: int, in_step: torch.Tensor, rows: torch.Tensor) -> None:
-        """Backward hook: add a micro-batch's gradient, free its rows; after the step's last, send the layer."""
-        merged = self._merged.get(layer)
-        if merged is None:
-            merged = self._merged[layer] = torch.zeros(self._size, self.cols, device=self.device)
-            self._hold(merged.numel() * 4)
-        self._hold(0, transient=rows.grad.numel() * 4)
-        merged.index_add_(0, in_step, rows.grad)
-        rows.grad = None
-        self._hold(-rows.numel() * rows.element_size())  # autograd lets the leaf go with the micro-batch
-        self._filled[layer] += 1
-        if self.overlap and self._filled[layer] == self._micro_batches:
-            self._sent[layer] = self._start_grad_sync(layer)
-
-    def _start_grad_sync(self, layer: int) -> tuple[Landed, torch.Tensor]:
-        """Send layer ``layer``'s merged gradients to their owners; returns (the ids this rank updates and
-        their DP-averaged gradients, landing on the host; the squared norm of those rows, on the device)."""
-        merged = self._merged.pop(layer, None)
-        if merged is None:
-            raise RuntimeError(f"STEM layer {layer} got no row gradients this step: every micro-batch's backward "
-                               f"must reach it before RowPipeline.reduce_gradients()")
-        self._hold(-merged.numel() * 4)
-        summed = self.exchange.to_owners(self._routes, merged)
-        summed /= dist.get_world_size(self.dp_group)
-        if not self.to_host:
-            return (self._owned, summed, None), summed.pow(2).sum()
-        self.stats["bytes_from_device"] += summed.numel() * 4
-        host_grads, landed = self.d2h.copy(summed, layer)  # the update is done with it before the next step's land
-        return (self._owned, host_grads, landed), summed.pow(2).sum()
-
-    def finish_grad_sync(self) -> tuple[dict[int, Landed], torch.Tensor]:
-        """Every layer's gradients at their owners, those sent during backward first; returns them and the
-        squared norm of the STEM gradients summed over DP, TP and PP (each row counted once)."""
-        start = time.perf_counter()
-        self.stats["layers_sent_in_backward"] += len(self._sent)
-        out, sq = {}, torch.zeros((), dtype=torch.float32, device=self.device)
-        for layer in self.layers:
-            out[layer], layer_sq = self._sent.pop(layer) if layer in self._sent else self._start_grad_sync(layer)
-            sq += layer_sq
-        self._routes = None
-        self.stats["exchange_wait_s"] += time.perf_counter() - start
-        dist.all_reduce(sq, group=self.dp_group)
-        dist.all_reduce(sq, group=parallel_state.get_model_parallel_group())
-        return out, sq
-
-
-class RowUpdates:
-    """Runs a step's CPU Adam in two parts on one "stem-adam" thread: ``now`` waits for its part, ``later`` (with
-    ``overlapped``; else it waits too) returns at once and ``settle`` waits for it. The thread runs the kernel with
-    ``threads`` OpenMP threads of its own, whatever the training thread's count, on ``device`` (it waits for copies
-    from it)."""
-
-    def __init__(self, overlap: bool, threads: int, device: torch.device):
-        self.overlapped = overlap
-        self._thread = ThreadPoolExecutor(1, "stem-adam", enter_host_thread, (threads, device))
-        self._pending: Optional[Future] = None
-        self.stats = self.new_stats()
-
-    @staticmethod
-    def new_stats() -> dict:
-        """CPU Adam seconds the training thread waited for, seconds of the last step's later part that ran
-        beside this step, and seconds this step waited for it."""
-        return dict(cpu_adam_s=0.0, cpu_adam_overlapped_s=0.0, adam_wait_s=0.0)
-
-    def now(self, work: Callable[[], None]) -> None:
-        self.settle()
-        self.stats["cpu_adam_s"] += self._thread.submit(_timed, work).result()
-
-    def later(self, work: Callable[[], None]) -> None:
-        if not self.overlapped:
-            return self.now(work)
-        self.settle()
-        self._pending = self._thread.submit(_timed, work)
-
-    def settle(self) -> None:
-        """Wait for the background part (re-raising its error here)."""
-        if self._pending is None:
-            return
-        start = time.perf_counter()
-        pending, self._pending = self._pending, None
-        self.stats["cpu_adam_overlapped_s"] += pending.result()
-        self.stats["adam_wait_s"] += time.perf_counter() - start
-
-
-def _timed(work: Callable[[], None]) -> float:
-    start = time.perf_counter()
-    work()
-    return time.perf_counter() - start
+from stem_megatron.host_tables.row_gradients import RowGradients
+from stem_megatron.host_tables.tier import Tier
+from stem_megatron.host_tables.transfer import landed
 
 
 class _Failed(NamedTuple):
@@ -193,28 +40,49 @@ _END = object()
 
 
 class RowPipeline:
-    """The schedule's data iterator over ``data``'s micro-batches, ``num_micro_batches`` a step, their rows attached
-    as ``batch["stem"]``; a context manager: entering makes the first step's rows readable, leaving stops the thread
-    and waits for this rank's Adam thread. ``training``: the rows feed training steps (read where the tier keeps
-    them; each step begun at its first micro-batch and ended by ``step``); False: validation, rows from the node's
-    copy as the tables are now."""
+    """The schedule's data iterator over a stream's micro-batches (``open``), their rows attached as ``batch["stem"]``;
+    a context manager: entering makes the first step's rows readable, leaving stops the thread and waits for this
+    rank's Adam thread. ``training``: the rows feed training steps (read where the tier keeps them; each step begun at
+    its first micro-batch and ended by ``step``, which counts it: ``steps_done``); False: validation, rows from the
+    node's copy as the tables are now.
 
-    def __init__(self, data: Iterator[dict], store, num_micro_batches: int, depth: int = 2, training: bool = True):
-        self.store, self.tier, self.training = store, store.tier, training
+    The store makes its training pipeline once (``HostTableStore.pipeline``), for the tables' optimizer to end each
+    step through, and opens it on each training stream; a validation stream is a pipeline of its own."""
+
+    def __init__(self, tier: Tier, grads: RowGradients, updates: RowUpdates, counters: dict, refresh: Callable,
+                 device: torch.device, vocab_size: int, training: bool = True):
+        """``tier``: where rows are read and updated; ``grads``: the step's row gradients; ``updates``: the Adam
+        thread; ``counters``: the step's counters, added to as the schedule takes each micro-batch; ``refresh``: makes
+        the node's copy of rows current (``HostTableStore.refresh``)."""
+        self.tier, self.grads, self.updates, self.counters, self.refresh = tier, grads, updates, counters, refresh
+        self.device, self.vocab_size, self.training = device, vocab_size, training
+        self.steps_done = 0  # Adam steps applied: ``step`` counts them, ``resume`` sets a checkpoint's
+        self._thread: Optional[threading.Thread] = None  # the open stream's prefetch thread; None: not open
+
+    @property
+    def is_open(self) -> bool:
+        return self._thread is not None
+
+    def open(self, data: Iterator[dict], num_micro_batches: int, depth: int = 2) -> RowPipeline:
+        """Start reading ``data``, ``num_micro_batches`` a step (``depth`` micro-batches fetched ahead)."""
+        if self.is_open:
+            raise RuntimeError("the host tables' training stream is open already: leave its with-block before "
+                               "opening another (HostTableStore.stream)")
         self.num_micro_batches = num_micro_batches
         self.announced = torch.empty(0, dtype=torch.int64)  # ids of the step ``next_ids`` last returned
         self.wait_s = 0.0
         self._queue: queue.Queue = queue.Queue(maxsize=depth)
         self._announced: queue.Queue = queue.Queue()  # each step's ids, then _END (or _Failed)
         self._released, self._stop, self._ended = threading.Semaphore(0), threading.Event(), False
-        self._plans = training and self.tier.begin_planning_ahead()
+        self._plans = self.training and self.tier.begin_planning_ahead()
         self._turns = threading.Condition()  # steps the worker may plan (the first, then one per begun step)
         self._permitted, self._planned, self._taken, self._over = 1, 0, 0, False  # steps: may plan, planned, taken
         self._micro_batches = 0  # taken by the schedule: a step begins at each multiple of ``num_micro_batches``
         self._grads: dict = {}  # layer -> the step's (ids, gradients, copy event) at their owners (``reduce_gradients``)
-        self._thread = threading.Thread(target=self._work, args=(data, num_micro_batches, host_threads(store.device)),
+        self._thread = threading.Thread(target=self._work, args=(data, num_micro_batches, host_threads(self.device)),
                                         name="stem-prefetch", daemon=True)
         self._thread.start()
+        return self
 
     def __enter__(self) -> RowPipeline:
         """The first step's rows readable, as each step readies the next (a collective: every rank enters together)."""
@@ -223,24 +91,25 @@ class RowPipeline:
         except BaseException as error:
             self.__exit__(type(error), error, error.__traceback__)
             raise
-        if self.training:
-            self.store.pipeline = self  # the step's end, for the tables' optimizer (training/table_optimizer.py)
         return self
 
     def __exit__(self, kind, error, trace) -> None:
         """Stop the worker (after an error not waiting for a plan a peer may never make), then this rank's Adam
         thread: no collective on the way out of an error."""
-        self.store.pipeline = None if self.store.pipeline is self else self.store.pipeline
         try:
             self._close(wait=kind is None)
         finally:
-            self.store.updates.settle()
+            self.updates.settle()
+
+    def resume(self, steps_done: int) -> None:
+        """Continue from a checkpoint's Adam step count."""
+        self.steps_done = steps_done
 
     # ---- a training step (training thread) ----
     def reduce_gradients(self) -> torch.Tensor:
         """Every layer's gradients at their owners (DP-averaged); returns the squared norm of the STEM gradients summed
         over DP, TP and PP (each row counted once)."""
-        self._grads, sq = self.store.grads.finish_grad_sync()
+        self._grads, sq = self.grads.finish_grad_sync()
         return sq
 
     def scale_gradients(self, coef: float) -> None:
@@ -250,41 +119,40 @@ class RowPipeline:
             grads.mul_(coef)
 
     def step(self, lr: float) -> None:
-        """The rows updated at ``lr`` (the Adam step after the store's last), those the next step reads first, the
-        next step's rows made readable where the tier reads them, the rest beside it (``RowUpdates``); then released."""
-        next_ids, store = self.next_ids(), self.store
-        store.updates.settle()  # this rank's rows and moments: no other rank writes them
-        step = store.steps_done + 1
-        later = self.tier.update(step, lr, self._grads, next_ids)
-        store.steps_done, self._grads = step, {}
-        store.updates.later(later)
+        """The rows updated at ``lr`` (Adam step ``steps_done + 1``), those the next step reads first, the next step's
+        rows made readable where the tier reads them, the rest beside it (``RowUpdates``); then released."""
+        next_ids = self.next_ids()
+        self.updates.settle()  # this rank's rows and moments: no other rank writes them
+        later = self.tier.update(self.steps_done + 1, lr, self._grads, next_ids)
+        self.steps_done, self._grads = self.steps_done + 1, {}
+        self.updates.later(later)
         self.release()
 
     def skip(self) -> None:
-        """The step ends without an update (not finite, or ``train.skip_steps``): every row and moment as it was, the
+        """The step ends without an update (not finite, or ``train.skip_steps``): every row and moment as it stood, the
         next step's rows made current in the node's copy, admitted where the tier reads them (collective), released."""
         self._grads, ids = {}, self.next_ids()
-        self.store.refresh(ids)
+        self.refresh(ids)
         if self.training:
             self.tier.admit(ids)
         self.release()
 
     def _begin(self) -> None:
         """The announced step begins (its first micro-batch is taken): every rank runs it whole, so the worker may plan
-        the step after it; the routes of its row gradients are settled (those the tier planned, else here)."""
+        the step after it; the routes of its row gradients are the tier's plan of it (``planned``)."""
         with self._turns:
             self._permitted += 1
             self._turns.notify_all()
         ids = self.announced
-        self.store.grads.begin(ids, self.num_micro_batches, self.tier.planned(ids))
+        self.grads.begin(ids, self.num_micro_batches, self.tier.planned(ids))
 
     # ---- the prefetch thread ----
     def _work(self, data, num_micro_batches, threads: int) -> None:
         try:
-            enter_host_thread(threads, self.store.device)  # gathers and unique on an OpenMP team of its own
+            enter_host_thread(threads, self.device)  # gathers and unique on an OpenMP team of its own
             step: list[dict] = []
             for batch in data:
-                check_token_ids(batch["tokens"], self.store.vocab_size)  # before any id reaches the tables
+                check_token_ids(batch["tokens"], self.vocab_size)  # before any id reaches the tables
                 step.append(batch)
                 if len(step) == num_micro_batches:
                     if not self._run(step):
@@ -380,7 +248,7 @@ class RowPipeline:
             self._begin()
         self._micro_batches += 1
         for key, value in item["stem"].fetched.stats.items():
-            self.store.counters[key] += value
+            self.counters[key] += value
         return item
 
     def take_wait_s(self) -> float:
@@ -396,5 +264,6 @@ class RowPipeline:
                     self._turns.wait(0.1)
         self._stop.set()
         self._thread.join(timeout=5)
+        self._thread = None
         if self._plans:
             self.tier.end_planning_ahead()

@@ -10,9 +10,8 @@ our row-indexed entry point (``csrc/row_adam.cpp``), in place on host rows, and 
 (bitwise the host's values); ``fused``, torch's fused AdamW on a GPU's slots (the rows gathered, updated and put
 back: other arithmetic, equal within fp32 rounding, tests/test_working_set.py states the bound).
 
-The decay of the rows a dense step did not touch is its own schedule (``LaterDecay``): a working set's rows outside
-it decay on the host beside the next step, in chunks, the rows the prefetch thread asks for first; rows that enter
-the set before their decay ran take it in their slots (``MissedUpdate``).
+The decay of the rows a dense step did not touch beside the next step is the Adam thread's schedule
+(``adam_thread.LaterDecay``, ``adam_thread.MissedUpdate``).
 """
 
 from __future__ import annotations
@@ -23,11 +22,8 @@ import json
 import os
 import platform
 import sys
-import threading
-import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import NamedTuple
 
 import torch
 
@@ -221,85 +217,3 @@ class RowOptimizer:
                             maximize=False)
         for tensor, rows in zip(tensors, (p, m, v)):
             tensor.index_copy_(0, at, rows)
-
-
-class MissedUpdate(NamedTuple):
-    """(dense Adam) The update that a step's entering rows, outside the set then, missed: its ``step`` and ``lr``,
-    and ``on_host``, the host's zero-gradient update of sorted ids."""
-    step: int
-    lr: float
-    on_host: Callable[[torch.Tensor], None]
-
-
-# Dense Adam's decay of the rows outside a working set, beside the next step. A row the step after reads can load
-# into the set ahead (``WorkingSet.preload``) only once its decay of the step before is done; run in one piece, that
-# decay (every row a rank owns: 126 GB of passes a step at 1B on one GPU, docs/gpu_step_v2.md) ends about when the
-# next step does, too late to load anything ahead. So it runs in chunks, the prefetch thread's rows first; each row is
-# decayed once, by the same elementwise kernel: bitwise the values of one piece.
-CHUNK_ELEMENTS = 1 << 24  # a chunk's elements over the layers, what an asker may wait for (~30 ms at 1B: gpu_step_v2)
-
-
-class LaterDecay:
-    """The rows whose decay is due (``expect``, training thread), run on the Adam thread (``run``) while the
-    prefetch thread waits for the ones it reads (``wait_for``)."""
-
-    def __init__(self, vocab_size: int, row_elements: int):
-        """``row_elements``: a row's elements over every layer decayed together (columns x layers)."""
-        self.chunk = max(1, CHUNK_ELEMENTS // max(1, row_elements))
-        self._due = torch.zeros(vocab_size, dtype=torch.bool)  # rows expected and not yet decayed
-        self._asked = torch.empty(0, dtype=torch.int64)
-        self._failed = False
-        self._changed = threading.Condition()
-        self.stats = self.new_stats()
-
-    @staticmethod
-    def new_stats() -> dict:
-        """Rows whose decay the prefetch thread asked for (ahead of their turn) and its seconds waiting for them."""
-        return dict(decay_rows_asked=0, decay_wait_s=0.0)
-
-    def expect(self, ids: torch.Tensor) -> None:
-        """(training thread, before queueing ``run``) ``ids`` are due: a ``wait_for`` them waits for their decay."""
-        with self._changed:
-            self._due[ids] = True
-            self._failed = False
-
-    def run(self, ids: torch.Tensor, decay: Callable[[torch.Tensor], None]) -> None:
-        """(Adam thread) ``decay`` the sorted ``ids`` (expected) in chunks, asked rows first."""
-        done = 0
-        try:
-            while True:
-                with self._changed:
-                    asked, self._asked = self._asked, torch.empty(0, dtype=torch.int64)
-                    chunk = torch.unique(asked[self._due[asked]])
-                    while not chunk.numel() and done < ids.numel():  # the next chunk, less rows asked earlier
-                        chunk = ids[done:done + self.chunk]
-                        chunk, done = chunk[self._due[chunk]], done + self.chunk
-                if not chunk.numel():
-                    return
-                decay(chunk)
-                with self._changed:
-                    self._due[chunk] = False
-                    self._changed.notify_all()
-        except BaseException:
-            with self._changed:
-                self._failed = True
-                self._due.fill_(False)
-                self._changed.notify_all()
-            raise
-
-    def wait_for(self, ids: torch.Tensor) -> None:
-        """(prefetch thread) Until none of ``ids`` is due, those asked for decaying next; raises where ``run``
-        failed (its error reaches the training thread too)."""
-        with self._changed:
-            due = ids[self._due[ids]]
-            if not due.numel():
-                return
-            start = time.perf_counter()
-            self._asked = torch.cat([self._asked, due])
-            self.stats["decay_rows_asked"] += due.numel()
-            while self._due[due].any():
-                self._changed.wait()
-            self.stats["decay_wait_s"] += time.perf_counter() - start
-            if self._failed:
-                raise RuntimeError("the dense decay of the step before failed on the Adam thread (its error is "
-                                   "raised in the training thread)")

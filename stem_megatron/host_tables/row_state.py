@@ -2,7 +2,7 @@
 
 ``RowState``: per STEM layer a row's fp32 ``master`` and both Adam moments, ``[rows, cols]`` tensors, each kind a
 ``{layer: tensor}``. Every holder of rows uses it: the host record (the owner's block), the device tier's slots
-(``working_set.WorkingSet``) and the rows staged ahead (``working_set.StagedRows``), so the row optimizer takes one
+(``working_set.WorkingSet``) and the rows staged ahead (``staged_rows.StagedRows``), so the row optimizer takes one
 layout, whoever holds the rows (as FBGEMM's TBE keeps weights and both momenta).
 
 ``HostRecord``: this node's tables of one pipeline stage, mapped from node-shared files (``node.shared_tensors``,
@@ -26,7 +26,6 @@ from megatron.core import parallel_state
 
 from stem_megatron.host_tables.node import NodeLayout, shared_tensors
 from stem_megatron.host_tables.ownership import RowOwnership
-from stem_megatron.host_tables.transfer import staged_bytes
 from stem_megatron.model.device_table import table_row_chunks
 
 KINDS = ("master", "exp_avg", "exp_avg_sq")  # a row's state: its fp32 master and both Adam moments
@@ -70,7 +69,7 @@ class HostRecord:
         run_id = [secrets.token_hex(6) if dist.get_rank() == 0 else None]
         dist.broadcast_object_list(run_id, src=0)
         owned, fp32 = own.owned_rows, torch.float32
-        specs = {"weight": (vocab_size, read_dtype), "exp_avg": (owned, fp32), "exp_avg_sq": (owned, fp32)}
+        specs = {"copy": (vocab_size, read_dtype), "exp_avg": (owned, fp32), "exp_avg_sq": (owned, fp32)}
         if read_dtype != fp32:
             specs["master"] = (owned, fp32)
         names = {(layer, kind): f"stem-{run_id[0]}-n{node.node}-L{layer}-{kind}"
@@ -79,7 +78,7 @@ class HostRecord:
 
         def init(name: str, tensor: torch.Tensor) -> None:
             layer, kind = by_name[name]
-            if kind in ("weight", "master"):
+            if kind in ("copy", "master"):
                 self._init_table(tensor, layer, seed, init_std, owned=kind == "master")
             # moments: tmpfs pages start at zero
 
@@ -87,7 +86,7 @@ class HostRecord:
                                  for (_, kind), name in names.items()}, node.group, init, directory=shm_dir,
                                 host_memory_gib=host_memory_gib)
         self.full = {key: shared[name] for key, name in names.items()}  # [tp, rows, cols], node-shared
-        self.read = {layer: self.full[layer, "weight"][self.tp_rank] for layer in self.layers}  # position order
+        self.read = {layer: self.full[layer, "copy"][self.tp_rank] for layer in self.layers}  # position order
         masters = {layer: self.full[layer, "master"][self.tp_rank] if "master" in specs
                    else self.read[layer][own.lo:own.hi] for layer in self.layers}
         self.state = RowState(masters, *({layer: self.full[layer, kind][self.tp_rank] for layer in self.layers}
@@ -144,7 +143,7 @@ class HostRecord:
     def table(self, layer: int) -> torch.Tensor:
         """``U_l`` as a V x d_ff fp32 matrix from this node's copy (every TP block is in the node's shared file),
         by token id; current where ``current`` says so."""
-        full = self.full[layer, "weight"][:, self.own.position(torch.arange(self.vocab_size))]
+        full = self.full[layer, "copy"][:, self.own.position(torch.arange(self.vocab_size))]
         return full.transpose(0, 1).reshape(self.vocab_size, self.d_ff).float()
 
     def owner_table(self, layer: int) -> Optional[torch.Tensor]:
@@ -153,7 +152,7 @@ class HostRecord:
         if self.node.peer_index != 0:
             return None
         block = self.full[layer, "master"] if (layer, "master") in self.full else \
-            self.full[layer, "weight"][:, self.own.lo:self.own.hi]
+            self.full[layer, "copy"][:, self.own.lo:self.own.hi]
         blocks = [block]
         if self.node.rail is not None:
             blocks = [None] * self.node.dp_nodes if self.node.dp_node == 0 else None
@@ -191,64 +190,3 @@ class HostRecord:
         if kind == "weight" and loading and self.read_dtype == torch.float32:
             return self.read[layer], 0
         return self.state.kind("master" if kind == "weight" else kind)[layer], self.own.lo
-
-
-class StagedRows:
-    """A working set's entering rows that cannot load ahead, their state gathered ahead (issue 31): up to ``rows``
-    rows a layer, every layer's state in one buffer, from ``stage`` (prefetch thread) to ``take`` (the next ``admit``,
-    training thread); the set's lock serialises the two.
-
-    A working set loads the next step's entering rows while the step before runs (``WorkingSet.preload``), into slots
-    neither step reads. Where the two steps' rows outnumber the slots (a set sized to the memory goal: 8,947 rows a
-    layer at 1B, where two steps read ~9.2k), the rest can take a slot only at ``admit``, on the step's path (339 rows a
-    layer a step at 1B on CPU, 167 MB gathered in 8-33 ms and copied in ~7 ms while the device waits:
-    docs/benchmarks.md). Their state can be read as early as the step is announced (lazy Adam: a row outside the set is
-    final on the host until it enters; dense: once its decay of the step before that is done, and before the next
-    update begins, ``admit`` then giving it the missed decay in its slot: ``row_optimizer.MissedUpdate``). ``stage``
-    gathers it then into a buffer kept for it (pinned on GPU, reserved when the store is built:
-    ``transfer.staged_bytes``); at ``admit`` the set takes it (``take``) and, on GPU, copies it on the side stream,
-    each layer's first reader putting its rows in place (``WorkingSet.rows``)."""
-
-    def __init__(self, layers: list[int], cols: int, rows: int, copies=None):
-        """``copies``: the set's ``transfer.CudaCopies`` (GPU: the buffer is pinned now), None on CPU."""
-        self.layers, self.cols, self.rows = layers, cols, rows
-        nbytes = staged_bytes(rows, len(layers), cols)
-        self._buffer = copies.pinned(nbytes) if copies is not None else torch.empty(nbytes, dtype=torch.uint8)
-        self.ids: Optional[torch.Tensor] = None  # the staged ids (sorted); None: nothing staged
-        self._state: Optional[RowState] = None  # views of the buffer ([layers, kinds, len(ids), cols] fp32)
-        self.copied: Optional[torch.cuda.Event] = None  # (GPU) the last copies out of the buffer end here
-
-    def stage(self, ids: torch.Tensor, host: HostRecord) -> None:
-        """The state of the first ``rows`` of the sorted ``ids`` (not resident) from the ``host`` record, in place of
-        anything staged before."""
-        self.ids = self._state = None
-        ids = ids[:self.rows]
-        if not ids.numel():
-            return
-        if self.copied is not None:  # the last take's copies read the buffer: they end before it is written again
-            self.copied.synchronize()
-            self.copied = None
-        shape = (len(self.layers), len(KINDS), ids.numel(), self.cols)
-        block = self._buffer[:4 * torch.Size(shape).numel()].view(torch.float32).view(shape)
-        state = RowState(*({layer: block[i, j] for i, layer in enumerate(self.layers)} for j in range(len(KINDS))))
-        local = host.local(ids)
-        for kind in KINDS:
-            for layer in self.layers:
-                torch.index_select(host.state.kind(kind)[layer], 0, local, out=state.kind(kind)[layer])
-        self.ids, self._state = ids, state
-
-    def take(self, entering: torch.Tensor) -> Optional[tuple[torch.Tensor, RowState]]:
-        """The staged rows of the sorted ``entering`` ids: (a mask over ``entering``, their state in the mask's order),
-        or None where nothing is staged or a staged id is not entering (the step differs from the one staged for: its
-        rows load from the host). Whatever was staged is let go."""
-        ids, state, self.ids, self._state = self.ids, self._state, None, None
-        if ids is None:
-            return None
-        mask = torch.isin(entering, ids)
-        if not torch.equal(entering[mask], ids):
-            return None
-        return mask, state
-
-    def drop(self) -> None:
-        """Forget the staged rows (the host record was loaded anew)."""
-        self.ids = self._state = None

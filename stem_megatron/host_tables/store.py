@@ -1,18 +1,22 @@
 """Host-resident STEM tables of one rank: the public face (docs/host_tables.md).
 
-``build_store`` makes one per rank (a collective): the node's host record of this stage's tables (``row_state``), the
-row exchange across DP ranks and nodes (``exchange``), the row optimizer (``row_optimizer``), and the tier where the
-rows a step reads live, chosen here once: the host tier (``host_tier``: rows fetched from the node's copy and updated on
-the host) or, with ``host_tables.resident_rows``, the device tier (``device_tier``: a working set of rows with their
-state on the device). Nothing outside this module branches on the tier.
+``placement.build_tables`` makes one per rank (a collective) from a ``StoreConfig``: the node's host record of this
+stage's tables (``row_state``), the row exchange across DP ranks and nodes (``exchange``), the row optimizer
+(``row_optimizer``), the tier where the rows a step reads live, chosen here once: the host tier (``host_tier``: rows
+fetched from the node's copy and updated on the host) or, with ``host_tables.resident_rows``, the device tier
+(``device_tier``: a working set of rows with their state on the device), and the training pipeline (``pipeline``),
+the step's end for the tables' optimizer member (``training/table_optimizer.py``).
 
 The rest of the code uses these verbs only: ``stream`` (the schedule's data iterator with rows: ``pipeline``),
 ``rows`` (the forward's row leaf, through ``HostRowSource``), ``settle``, ``refresh``, ``table``, ``owner_table``,
-``load_tables``, ``sharded_state_dict`` and ``restore`` (checkpoints, export, ``stem-edit``), ``take_stats``.
+``owner_tables``, ``load_tables``, ``sharded_state_dict`` and ``restore`` (checkpoints, export, ``stem-edit``),
+``take_stats``; ``row_source`` for the model's STEM layers.
 """
 
 from __future__ import annotations
 
+import functools
+from dataclasses import dataclass, field
 from typing import Iterator, Optional
 
 import torch
@@ -21,92 +25,98 @@ import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.dist_checkpointing import ShardedTensor
 from megatron.core.transformer.module import MegatronModule
-from megatron.core.transformer.transformer_block import get_num_layers_to_build
+from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
-from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
-from stem_megatron.config import RunConfig
+from stem_megatron.config import HostTablesConfig
+from stem_megatron.host_tables.adam_thread import RowUpdates
 from stem_megatron.host_tables.device_tier import DeviceTier
 from stem_megatron.host_tables.exchange import DTYPES, RowExchange
-from stem_megatron.host_tables.host_tier import HostTier, HotRowCache
-from stem_megatron.host_tables.node import SHM_DIR, host_threads, node_layout
+from stem_megatron.host_tables.host_tier import HostTier
+from stem_megatron.host_tables.hot_rows import HotRowCache
+from stem_megatron.host_tables.node import host_threads, node_layout
 from stem_megatron.host_tables.ownership import RowOwnership
-from stem_megatron.host_tables.pipeline import RowGradients, RowPipeline, RowUpdates
+from stem_megatron.host_tables.pipeline import RowPipeline
+from stem_megatron.host_tables.row_gradients import RowGradients
 from stem_megatron.host_tables.row_optimizer import RowAdam, RowOptimizer
 from stem_megatron.host_tables.row_state import HostRecord
+from stem_megatron.host_tables.tier import Tier
 from stem_megatron.host_tables.transfer import (HostToDevice, PrefetchedRows, cache_staging_bytes, landing_rows,
                                                 staging_bytes, travel_dtype)
-from stem_megatron.layer_plan import planned_layers
-from stem_megatron.model.device_table import table_init_std
 from stem_megatron.model.stem_rows import RowOrder
 from stem_megatron.model.token_context import MicroBatchTokens
 
 CHECKPOINT_KINDS = ("weight", "exp_avg", "exp_avg_sq")  # a checkpoint's: the fp32 master rows and both moments
 
 
+@dataclass(frozen=True)
+class StoreConfig:
+    """What a store is built from: this stage's STEM ``layers`` (global, 1-based), each a ``vocab_size`` x ``d_ff`` table
+    drawn with ``init_std`` from ``seed``; where the rows live and how they train (``host``: the run's ``host_tables``
+    group); the rows' AdamW (``betas``, ``eps``, ``weight_decay``); the dtype the model computes in, and a step's
+    shape on each DP rank (``micro_batch_tokens``: b * s; ``micro_batches``), which size the pinned staging and landing
+    buffers on GPU before the first step (0 tokens: sized by the first steps)."""
+
+    layers: tuple[int, ...]
+    vocab_size: int
+    d_ff: int
+    init_std: float
+    seed: int = 0
+    host: HostTablesConfig = field(default_factory=HostTablesConfig)
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    compute_dtype: Optional[torch.dtype] = None
+    micro_batch_tokens: int = 0
+    micro_batches: int = 1
+
+
 class HostTableStore:
-    def __init__(
-        self,
-        layers: list[int],
-        vocab_size: int,
-        d_ff: int,
-        init_std: float,
-        seed: int,
-        optimizer: str = "lazy",
-        betas: tuple[float, float] = (0.9, 0.95),
-        eps: float = 1e-8,
-        weight_decay: float = 0.1,
-        cache_rows: int = 0,
-        device: Optional[torch.device] = None,
-        shm_dir: str = SHM_DIR,
-        host_memory_gib: Optional[float] = None,
-        wire_dtype: str = "fp32",
-        read_dtype: str = "fp32",
-        overlap: bool = True,
-        overlap_update: bool = True,
-        compute_dtype: Optional[torch.dtype] = None,
-        micro_batch_tokens: int = 0,
-        micro_batches: int = 1,
-        resident_rows: int = 0,
-    ):
-        """Collective over the world (node and exchange groups and the shared tables are created here).
-        ``micro_batch_tokens`` (b * s) and ``micro_batches`` (a step's, per DP rank) size the pinned staging and
-        landing buffers on GPU before the first step (0: sized by the first steps). ``resident_rows``: the working
-        set's slots a layer (the device tier; 0: the host tier)."""
+    hosted = True  # a checkpoint has a ``stem/`` part (``checkpoint/host_tables.py``; ``placement.NoTables``: none)
+
+    def __init__(self, config: StoreConfig, device: Optional[torch.device] = None):
+        """Collective over the world (node and exchange groups and the shared tables are created here). The device
+        tier where ``config.host.resident_rows`` (the working set's slots a layer), else the host tier."""
+        h, vocab_size, d_ff = config.host, config.vocab_size, config.d_ff
+        optimizer, resident_rows, micro_batch_tokens = h.optimizer, h.resident_rows, config.micro_batch_tokens
         if optimizer not in ("lazy", "dense"):
             raise ValueError(f"host_tables.optimizer must be 'lazy' or 'dense', got {optimizer!r}")
-        self.layers = list(layers)  # global 1-based layer numbers of this stage's STEM layers
+        self.layers = list(config.layers)  # global 1-based layer numbers of this stage's STEM layers
         self.vocab_size, self.d_ff = vocab_size, d_ff
         self.device = device or torch.device("cpu")
         dp_group = parallel_state.get_data_parallel_group()
         dp = dist.get_world_size(dp_group)
         node = node_layout(dist.get_process_group_ranks(dp_group), planning=bool(resident_rows))  # (``plan_ahead``)
         self.own = RowOwnership(vocab_size, node.dp_nodes, node.dp_node, len(node.local_dp_peers), node.peer_index)
-        self.exchange = RowExchange(self.own, node, self.device, wire_dtype)
-        self.record = HostRecord(self.layers, vocab_size, d_ff, init_std, seed, node, self.own, DTYPES[read_dtype],
-                                 shm_dir, host_memory_gib)
+        self._exchange = RowExchange(self.own, node, self.device, h.wire_dtype)
+        self.record = HostRecord(self.layers, vocab_size, d_ff, config.init_std, config.seed, node, self.own,
+                                 DTYPES[h.read_dtype], h.shm_dir, h.host_memory_gib)
         self.tp_rank, self.cols, self.read_dtype = self.record.tp_rank, self.record.cols, self.record.read_dtype
-        self.counters = _new_counters()  # this step's, added to by the tier and the pipeline
-        self.updates = RowUpdates(overlap_update, host_threads(self.device), self.device)
-        travel = travel_dtype(self.read_dtype, compute_dtype)
-        step_ids = dp * min(vocab_size, micro_batches * micro_batch_tokens)
+        self._counters = _new_counters()  # this step's, added to by the tier and the pipeline
+        self._updates = RowUpdates(h.overlap_update, host_threads(self.device), self.device)
+        travel = travel_dtype(self.read_dtype, config.compute_dtype)
+        step_ids = dp * min(vocab_size, config.micro_batches * micro_batch_tokens)
         rows = min(vocab_size, micro_batch_tokens)  # distinct ids of a micro-batch, at most
-        cache = HotRowCache(cache_rows, vocab_size, self.device)
+        cache = HotRowCache(h.cache_rows, vocab_size, self.device)  # none (0 rows) beside a working set
         slot_bytes = max(staging_bytes(len(self.layers), rows, self.cols, travel.itemsize, micro_batch_tokens)
                          if rows else 0, cache_staging_bytes(cache.capacity, self.cols, travel.itemsize))
-        self.h2d = HostToDevice(self.device, dtype=compute_dtype, slot_bytes=slot_bytes)
-        self.optimizer = RowOptimizer(RowAdam(betas, eps, weight_decay), "rows", self.device,
+        self._h2d = HostToDevice(self.device, dtype=config.compute_dtype, slot_bytes=slot_bytes)
+        self.optimizer = RowOptimizer(RowAdam(config.betas, config.eps, config.weight_decay), "rows", self.device,
                                       dense=optimizer == "dense")  # the host's rows (a working set: a twin of its own)
-        parts = (self.record, self.exchange, self.optimizer, self.updates, self.counters, self.h2d)
+        parts = (self.record, self._exchange, self.optimizer, self._updates, self._counters, self._h2d)
+        self.tier: Tier
         if resident_rows:
             moving = min(resident_rows, landing_rows(self.own, step_ids))  # rows entering the working set at once
-            self.tier = DeviceTier(*parts, resident_rows, travel, moving, micro_batch_tokens, dp)
+            self.tier = DeviceTier(*parts, cache, resident_rows, travel, moving, micro_batch_tokens, dp)
         else:
             self.tier = HostTier(*parts, cache)
-        self.grads = RowGradients(self.layers, self.cols, self.exchange, dp_group, self.device, overlap,
+        self.grads = RowGradients(self.layers, self.cols, self._exchange, dp_group, self.device, h.overlap_exchange,
                                   landing_rows=landing_rows(self.own, step_ids), to_host=not resident_rows)
-        self.steps_done = 0
-        self.pipeline: Optional[RowPipeline] = None  # the open training stream: its step's end (``stream``)
+        self.pipeline = self._pipeline(training=True)  # the training stream, each step's end and count
+
+    def row_source(self) -> ModuleSpec:
+        """The STEM layers' row source, reading this store (``HostRowSource``)."""
+        return ModuleSpec(module=HostRowSource, params={"store": self})
 
     @property
     def host_bytes(self) -> int:
@@ -117,8 +127,15 @@ class HostTableStore:
     def stream(self, batches: Iterator[dict], micro_batches: int, depth: int = 2, training: bool = True
                ) -> RowPipeline:
         """``batches`` with their rows attached, ``micro_batches`` a step (``pipeline.RowPipeline``: a context
-        manager, the schedule's data iterator and, in training, the step's end, ``RowPipeline.step``)."""
-        return RowPipeline(batches, self, micro_batches, depth, training)
+        manager, the schedule's data iterator and, in training, ``pipeline``, the step's end, ``RowPipeline.step``)."""
+        return (self.pipeline if training else self._pipeline(training=False)).open(batches, micro_batches, depth)
+
+    def _pipeline(self, training: bool) -> RowPipeline:
+        """A pipeline over this store's parts (not the store: a store the pipeline pointed back to would outlive its
+        last reference until the garbage collector ran, and with it the node's tables)."""
+        refresh = functools.partial(_refresh, self.tier, self.record, self._exchange, self._counters)
+        return RowPipeline(self.tier, self.grads, self._updates, self._counters, refresh, self.device,
+                           self.vocab_size, training)
 
     def rows(self, layer: int, prefetched: PrefetchedRows) -> torch.Tensor:
         """(forward) A micro-batch's rows of ``layer`` (its distinct ids x this rank's columns, fp32); with gradients
@@ -134,16 +151,12 @@ class HostTableStore:
         """Wait for the last step's CPU Adam here and on this rank's DP peers on the node (their rows share its copy of
         this TP block), the device tier's rows written back first: call before reading tables or moments whole.
         Collective over those peers (``node.local``), not the node: other TP ranks and stages need not call it."""
-        self.updates.settle()
-        self.tier.write_back()
-        if self.record.node.local is not None:
-            dist.barrier(self.record.node.local)
+        _settle(self.tier, self.record)
 
     def refresh(self, ids: torch.Tensor) -> None:
         """Make this node's copy of rows ``ids`` equal the owners' rows. Collective over the world's ranks of this
         stage's DP group and the node."""
-        self.settle()
-        self.counters["rows_pulled"] += self.record.pull(ids, self.exchange)
+        _refresh(self.tier, self.record, self._exchange, self._counters, ids)
 
     def table(self, layer: int) -> torch.Tensor:
         """``U_l`` as a V x d_ff fp32 matrix from this node's copy, by token id; current where ``refresh`` made it so.
@@ -158,6 +171,13 @@ class HostTableStore:
         over the first peers of this DP group's nodes (every TP rank settles its block first: ``export.writer``)."""
         self.settle()
         return self.record.owner_table(layer)
+
+    def owner_tables(self) -> dict[int, torch.Tensor]:
+        """``owner_table`` of every layer, on TP rank 0 (the rows of DP rank 0; empty elsewhere)."""
+        if self.tp_rank != 0:
+            return {}
+        tables = {layer: self.owner_table(layer) for layer in self.layers}
+        return {layer: table for layer, table in tables.items() if table is not None}
 
     def load_tables(self, tables: dict[int, torch.Tensor]) -> None:
         """Overwrite this rank's column block of each ``U_l`` from V x d_ff matrices by token id (node collective)."""
@@ -193,21 +213,21 @@ class HostTableStore:
             self.refresh(torch.arange(self.vocab_size))
         if steps_done is not None:
             self.settle()
-            self.steps_done = steps_done
+            self.pipeline.resume(steps_done)
             self.record.current.fill_(True)
             self.tier.drop(steps_done)
 
     # ---- metrics ----
-    def take_stats(self) -> dict:
+    def take_stats(self, stream: Optional[RowPipeline] = None) -> dict:
         """This step's counters (prefixed ``stem_``), reset for the next step: ``stem_bytes_sent`` by this rank to its
         DP peers anywhere; ``stem_node_*`` for this rank's node in total (bytes sent to and received from other nodes,
-        table rows Adam updated, each layer counted), a collective over the node."""
-        stats = dict(self.counters)
-        self.counters.update(_new_counters())
-        for part in (self.grads, self.updates, *self.tier.parts):
-            stats.update(part.stats)
-            part.stats = part.new_stats()
-        wire, self.exchange.stats = self.exchange.stats, self.exchange.new_stats()
+        table rows Adam updated, each layer counted), a collective over the node; with ``stream``, the training
+        thread's wait for its rows (``stem_prefetch_wait_s``)."""
+        stats = dict(self._counters)
+        self._counters.update(_new_counters())
+        for part in (self.grads, self._updates, *self.tier.parts):
+            stats.update(part.take_stats())
+        wire = self._exchange.take_stats()
         node = torch.tensor([wire["inter_node_sent"], wire["inter_node_received"],
                              stats.pop("rows_updated") / self.record.tp], dtype=torch.float64)
         dist.all_reduce(node, group=self.record.node.group)
@@ -218,7 +238,20 @@ class HostTableStore:
                    stem_exchange_s=wire["exchange_s"])
         out["stem_cache_hit_rate"] = hits / lookups if lookups else None
         out["stem_host_table_bytes"] = self.host_bytes
+        if stream is not None:
+            out["stem_prefetch_wait_s"] = stream.take_wait_s()
         return out
+
+
+def _settle(tier: Tier, record: HostRecord) -> None:
+    tier.settle()
+    if record.node.local is not None:
+        dist.barrier(record.node.local)
+
+
+def _refresh(tier: Tier, record: HostRecord, exchange: RowExchange, counters: dict, ids: torch.Tensor) -> None:
+    _settle(tier, record)
+    counters["rows_pulled"] += record.pull(ids, exchange)
 
 
 def _new_counters() -> dict:
@@ -270,23 +303,3 @@ class HostRowSource(MegatronModule):
                                "token_ids (inference)")
         prefetched.wait()
         return prefetched, self.store.rows(self.layer_number, prefetched)
-
-
-def build_store(cfg: RunConfig, tconfig: TransformerConfig, device: torch.device) -> HostTableStore:
-    """The host tables of this pipeline stage's STEM layers (collective: every rank builds one)."""
-    first = get_transformer_layer_offset(tconfig) + 1
-    local = range(first, first + get_num_layers_to_build(tconfig))
-    layers = [i + 1 for i in planned_layers(cfg.model.num_layers, cfg.stem) if i + 1 in local]
-    t, m, h = cfg.train, cfg.model, cfg.host_tables
-    return HostTableStore(
-        layers, m.vocab_size, m.ffn_hidden_size,
-        table_init_std(tconfig, m.vocab_size, cfg.stem.table_init, cfg.stem.table_init_std), t.seed,
-        optimizer=h.optimizer, betas=(t.adam_beta1, t.adam_beta2), eps=1e-8,
-        weight_decay=t.weight_decay, cache_rows=h.cache_rows, device=device, shm_dir=h.shm_dir,
-        host_memory_gib=h.host_memory_gib,
-        wire_dtype=h.wire_dtype, read_dtype=h.read_dtype, overlap=h.overlap_exchange,
-        overlap_update=h.overlap_update, compute_dtype=tconfig.params_dtype,
-        micro_batch_tokens=t.micro_batch_size * m.seq_length,
-        micro_batches=t.global_batch_size // (t.micro_batch_size * parallel_state.get_data_parallel_world_size()),
-        resident_rows=h.resident_rows,
-    )

@@ -181,14 +181,14 @@ def working_set_bytes(rows: int, cols: int, tokens: int) -> tuple[int, int]:
 
 
 def staged_rows(moving_rows: int, layers: int) -> int:
-    """The most entering rows a layer a working set stages ahead (``row_state.StagedRows``): its ``moving_rows``
+    """The most entering rows a layer a working set stages ahead (``staged_rows.StagedRows``): its ``moving_rows``
     spread over its ``layers``, so that their pinned state (fp32 master and both moments of every layer) takes as
     many bytes as one of its staging slots."""
     return moving_rows // max(1, layers)
 
 
 def staged_bytes(rows: int, layers: int, cols: int) -> int:
-    """The pinned bytes of ``rows`` rows staged ahead (``row_state.StagedRows``): every layer's fp32 master and
+    """The pinned bytes of ``rows`` rows staged ahead (``staged_rows.StagedRows``): every layer's fp32 master and
     both moments."""
     return layers * 3 * rows * cols * 4
 

@@ -1,4 +1,4 @@
-"""The rows a step reads, resident on the compute device with their fp32 masters and Adam moments (issue 31).
+"""The rows a step reads, resident on the compute device with their fp32 masters and Adam moments.
 
 Design: docs/gpu_step_v2.md. Without it, the host updates the rows the next step reads between the clip and the
 next forward (CPU Adam, the refresh, micro-batch 0's fetch: 0.25-0.45 s a step at 1B on one H100 by the note's
@@ -9,27 +9,27 @@ estimate). With a working set (``host_tables.resident_rows``) every STEM layer k
   in (the values a fetch of the host copies gives): no host gather, no copy to the device, and no copy of the
   masters in that dtype to keep (a seventh of the slots' bytes);
 - the step's row gradients stay on the device, and right after the clip one AdamW updates the step's slots (lazy)
-  or every resident slot (dense; the rows not resident decay on the host, with zero gradients, as today);
+  or every resident slot (dense; the rows not resident decay on the host, with zero gradients, as in the host tier);
 - the next step's ids are then admitted: rows not resident enter with their state from the host; rows leave (the
   least counted of those the next step does not read) when slots run short, and their state goes back to the host
   on a side stream, landed by the Adam thread beside the next step. The entering rows are loaded ahead, while the
   step before runs (``preload``, called by the prefetch thread as it announces a step; with dense Adam only until
-  that step's update begins, each row once its host decay of the last step is done: ``row_optimizer.LaterDecay``). Those
-  that find no free slot then are gathered then (``row_state.StagedRows``), copied at ``admit`` and put in place
+  that step's update begins, each row once its host decay of the last step is done: ``adam_thread.LaterDecay``). Those
+  that find no free slot then are gathered then (``staged_rows.StagedRows``), copied at ``admit`` and put in place
   by each layer's first reader (dense Adam: with the step's decay, which they missed).
 
 On GPU the slots' tensors are the compute stream's alone, whichever thread issues the work: the side streams copy
 entering rows into tensors of their own, which the compute stream puts in place after their event, and copy leaving
 rows out of tensors the compute stream gathered. Rows are disjoint where the two overlap in time (the step's against
 the next step's), but torch's CUDA sanitizer keys an access by the tensor, not by the rows: a side stream writing free
-slots while the compute stream reads others is a race to it (issue 51; tests/test_working_set_streams.py checks this).
+slots while the compute stream reads others is a race to it (tests/test_working_set_streams.py checks this).
 
 The host tables stay the record of every row not resident; ``write_back`` makes them whole for a reader of the
-tables (``store.settle``: checkpoints, export, validation). The update keeps today's semantics (``row_optimizer``:
-DeepSpeed's kernel on CPU, bitwise today's values; torch's fused AdamW on GPU, within fp32 rounding).
+tables (``store.settle``: checkpoints, export, validation). The update is the host tier's AdamW (``row_optimizer``:
+DeepSpeed's kernel on CPU, bitwise the host tier's values; torch's fused AdamW on GPU, within fp32 rounding).
 
 At DP > 1 a rank's set holds the rows it owns (``ownership``) that the group's next step reads, and updates them with
-every rank's gradients; the other ranks receive the updated rows (``device_tier.StepRows``).
+every rank's gradients; the other ranks receive the updated rows (``step_rows.StepRows``).
 """
 
 from __future__ import annotations
@@ -41,8 +41,10 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from stem_megatron.host_tables.row_optimizer import MissedUpdate, RowOptimizer
-from stem_megatron.host_tables.row_state import KINDS, HostRecord, RowState, StagedRows
+from stem_megatron.host_tables.adam_thread import MissedUpdate
+from stem_megatron.host_tables.row_optimizer import RowOptimizer
+from stem_megatron.host_tables.row_state import KINDS, HostRecord, RowState
+from stem_megatron.host_tables.staged_rows import StagedRows
 from stem_megatron.host_tables.transfer import (DeviceToHost, Fetched, HostToDevice, PrefetchedRows, copy_to_device,
                                                 landed, positions_in_step, staged_rows, working_set_bytes)
 from stem_megatron.model.stem_rows import RowOrder
@@ -99,6 +101,11 @@ class WorkingSet:
         return dict(rows_entered=0, rows_entered_ahead=0, rows_entered_staged=0, rows_left=0, resident_update_s=0.0,
                     ahead_s=0.0)
 
+    def take_stats(self) -> dict:
+        """The counters since the last take, reset."""
+        stats, self.stats = self.stats, self.new_stats()
+        return stats
+
     @property
     def capacity(self) -> int:
         return self.ids.numel()
@@ -122,7 +129,7 @@ class WorkingSet:
         """(prefetch thread) A training micro-batch's ids, inverse index, row order and slots on the device; the
         rows themselves are gathered by the forward (``read``), on its stream, after the last update.
         ``by_position``: the "slots" are the ids' positions among the step's (DP > 1: rows received from their
-        owners, ``device_tier.StepRows``)."""
+        owners, ``step_rows.StepRows``)."""
         uniq, inverse = torch.unique(tokens.cpu(), return_inverse=True)
         positions = positions_in_step(step_ids, uniq)
         slots = positions if by_position else self.slot_of[uniq]

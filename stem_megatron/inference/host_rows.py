@@ -5,7 +5,7 @@ An export holds every ``U_l`` as a full V x d_ff matrix. ``ReadOnlyHostTables`` 
 (``B_uniq x d_ff`` per STEM layer; one decode step of a batch of B sequences feeds B tokens) and hands
 them to the compute device (``host_tables.transfer.HostToDevice``: on GPU the gathered rows go through a
 pinned buffer and a side stream; on CPU there is nothing to copy), serving the hottest rows from an
-optional device cache (``host_tables.host_tier.HotRowCache``).
+optional device cache (``host_tables.hot_rows.HotRowCache``).
 
 The STEM layers receive the rows through the training path's mechanism: the forward is wrapped in
 ``token_context.token_ids(tokens, V, prefetched)`` with the ``host_tables.transfer.PrefetchedRows`` of
@@ -21,7 +21,7 @@ from typing import Mapping, Optional
 
 import torch
 
-from stem_megatron.host_tables.host_tier import HotRowCache
+from stem_megatron.host_tables.hot_rows import HotRowCache
 from stem_megatron.host_tables.transfer import HostToDevice, PrefetchedRows, fetch_rows
 
 TABLE_NAME = re.compile(r"^decoder\.layers\.(\d+)\.mlp\.U_l\.weight$")

@@ -1,4 +1,4 @@
-"""megatron-core core attention on torch's ``scaled_dot_product_attention`` (issue 25).
+"""megatron-core core attention on torch's ``scaled_dot_product_attention``.
 
 megatron's local ``DotProductAttention``, the ``core_attention`` of its non-TE layer spec (every CPU run, and a GPU
 without Transformer Engine), materialises the ``[b, n, s, s]`` scores and probabilities of every layer: ~70% of a

@@ -1,4 +1,4 @@
-"""``SiLU(W_g x) ⊙ U_l[t]`` as one autograd function over a micro-batch's compact rows (issue 31, the layer).
+"""``SiLU(W_g x) ⊙ U_l[t]`` as one autograd function over a micro-batch's compact rows.
 
 A host-resident layer gets its micro-batch's rows compact: one row per distinct id (``[u, d_ff/tp]``, an fp32
 leaf whose gradient the store collects) and each token's position among them (``index``, ``[s, b]``). Gathering
@@ -15,8 +15,8 @@ On GPU the two elementwise passes are compiled with megatron-core's ``jit_fuser`
 SwiGLU), which fuses the gather into them, once a process: they see the tokens flattened (``[s*b, cols]``) and
 that dimension and the row count dynamic from the first call, since both change from step to step, and no
 ``requires_grad``, which training and validation's no-grad call would otherwise guard apart. On CPU they run as
-torch's eager kernels, the same ones the ``F.embedding`` path ran, so the values are bitwise today's
-(``tests/test_stem_rows.py``).
+torch's eager kernels, the same ones an ``F.embedding`` of the expanded rows runs, so the values are bitwise
+those of that path (``tests/test_stem_rows.py``).
 """
 
 from __future__ import annotations
@@ -54,8 +54,7 @@ def _backward(dh: torch.Tensor, g: torch.Tensor, rows: torch.Tensor, index: torc
 def _compiled(fn):
     """``fn`` through ``jit_fuser``, compiled for any length of its arguments' first dimension (tokens or rows),
     on detached arguments: dynamo would otherwise specialize on the first call's shapes and ``requires_grad``,
-    then recompile on the next step's row count and on validation's no-grad call (10-40 s a process on GPU,
-    issue 51)."""
+    then recompile on the next step's row count and on validation's no-grad call (10-40 s a process on GPU)."""
     compiled = jit_fuser(fn)
 
     def call(*tensors):

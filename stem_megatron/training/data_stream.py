@@ -3,10 +3,9 @@ when the tables live in host memory."""
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Optional
 
 import torch
 from megatron.core import parallel_state
@@ -37,21 +36,19 @@ def run_datasets(cfg: RunConfig):
     )
 
 
-def with_rows(batches: Iterator[dict], store, num_micro_batches: int, depth: int = 2, training: bool = True):
-    """``batches`` with their STEM rows attached when ``store`` holds host tables (``HostTableStore.stream``: a
-    context manager that makes the first step's rows readable on entry), as they are otherwise; a context manager."""
-    if store is None:
-        return contextlib.nullcontext(batches)
-    return store.stream(batches, num_micro_batches, depth, training)
+def micro_batches_per_step(cfg: RunConfig, dp: int) -> int:
+    """A training step's micro-batches on each of ``dp`` DP ranks (``validate`` checks that they divide)."""
+    return cfg.train.global_batch_size // (cfg.train.micro_batch_size * dp)
 
 
-def batch_stream(dataset, cfg: RunConfig, dp: int, store, num_micro_batches: int, start_step: int = 0,
+def batch_stream(dataset, cfg: RunConfig, dp: int, tables, num_micro_batches: int, start_step: int = 0,
                  steps: Optional[int] = None, training: bool = True):
     """This DP rank's micro-batches of ``dataset`` from step ``start_step`` (``steps`` steps, or on until
-    the dataset ends) with their rows, as the tables are now, attached (``with_rows``); a context manager."""
+    the dataset ends) with their rows, as the tables are now, attached by ``tables`` (``HostTableStore.stream``: a
+    context manager that makes the first step's rows readable on entry; without host tables, as they are)."""
     data = micro_batches(dataset, cfg.train.micro_batch_size, parallel_state.get_data_parallel_rank(), dp,
                          start_step=start_step, num_micro_batches=num_micro_batches,
                          pin_memory=torch.cuda.is_available())
     if steps is not None:
         data = itertools.islice(data, steps * num_micro_batches)
-    return with_rows(data, store, num_micro_batches, cfg.host_tables.prefetch_depth, training)
+    return tables.stream(data, num_micro_batches, cfg.host_tables.prefetch_depth, training)

@@ -10,15 +10,25 @@ from __future__ import annotations
 import math
 
 import torch
-from megatron.core.optimizer import ChainedOptimizer
+from megatron.core.optimizer import ChainedOptimizer, MegatronOptimizer
+
+from stem_megatron.host_tables.placement import NoTables
 
 
 class FiniteChain(ChainedOptimizer):
-    """megatron's chain of ``members``; a step whose norm is not finite changes no weight or optimizer state."""
+    """megatron's chain of ``members``, the dense optimizer first; a step whose norm is not finite changes no weight or
+    optimizer state. ``tables``: the host tables' member (``TableChain``), here their absence."""
+
+    tables = NoTables()
 
     def __init__(self, members: list):
         super().__init__(members)
         self._norm = 0.0  # the step's norm (``get_grad_norm``)
+
+    @property
+    def dense(self) -> MegatronOptimizer:
+        """The dense parameters' optimizer: its state is the dense checkpoint's (``checkpoint/dense.py``)."""
+        return self.chained_optimizers[0]
 
     @torch.no_grad()
     def get_grad_norm(self) -> float:

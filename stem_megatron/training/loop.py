@@ -19,7 +19,7 @@ from stem_megatron.training.components.skipped_steps import SkippedSteps
 from stem_megatron.training.components.step_log import StepLog
 from stem_megatron.training.components.step_meter import StepMeter
 from stem_megatron.training.components.validator import Validator
-from stem_megatron.training.data_stream import batch_stream, run_datasets
+from stem_megatron.training.data_stream import batch_stream, micro_batches_per_step, run_datasets
 from stem_megatron.training.preemption import StopSignals
 from stem_megatron.training.run_summary import say_start
 from stem_megatron.training.setup import setup_model
@@ -54,9 +54,9 @@ def _train(cfg: RunConfig, dp: int) -> list[dict]:
     signals = StopSignals(t.stop_deadline_s, dist.new_group(backend="gloo"))  # every rank, here: a collective
     state = TrainState.resuming(t, resumed)
     probes, meter, skips, records = Probes(cfg), StepMeter(cfg, trainer, state.last), SkippedSteps(cfg), []
-    n_micro = t.global_batch_size // (t.micro_batch_size * dp)
+    n_micro = micro_batches_per_step(cfg, dp)
     with signals, StepLog(cfg, resumed) as step_log, batch_stream(
-            train_data, cfg, dp, trainer.store, n_micro, start_step=resumed, steps=state.last - resumed) as data:
+            train_data, cfg, dp, trainer.tables, n_micro, start_step=resumed, steps=state.last - resumed) as data:
         for step in state.steps():
             start = time.perf_counter()
             with probes.around(step):

@@ -30,6 +30,7 @@ from stem_megatron.flops.variants import variant_from_stem_config
 from stem_megatron.host_tables.node import free_space
 from stem_megatron.layer_plan import planned_layers
 from stem_megatron.parallel import have_transformer_engine, on_gpu
+from stem_megatron.training.data_stream import micro_batches_per_step
 
 
 def _count(n: int) -> str:
@@ -72,7 +73,7 @@ def start_block(cfg: RunConfig, world: int, ranks_per_node: int, gpu: bool) -> l
         else:
             what = "tables on the device, with the model's optimizer"
         lines.append(f"{s.variant} in layer(s) {', '.join(map(str, replaced))} of {m.num_layers}: {what}")
-    micro = t.global_batch_size // (t.micro_batch_size * dp)
+    micro = micro_batches_per_step(cfg, dp)
     lines.append(f"layout: {nodes} node(s) x {ranks_per_node} {'GPU' if gpu else 'CPU'} rank(s), TP={tp} PP={pp} "
                  f"DP={dp} EP={ep}; global batch {t.global_batch_size} = {t.micro_batch_size} x DP {dp} x "
                  f"{micro} micro-batch(es), {t.global_batch_size * m.seq_length:,} tokens a step{_overlap(cfg, dp)}")

@@ -2,9 +2,9 @@
 megatron's ``optimizer.step()`` whatever holds the tables (docs/host_tables.md, "The tables in megatron's optimizer").
 
 The chain calls its members in one order (``prepare_grads``, the norm, its clip, ``step_with_ready_grads``); this
-member maps them onto the step's end in the open ``RowPipeline``: the row gradients sent to their owners and their
-squared norm summed (``reduce_gradients``, the role of DDP's ``finish_grad_sync``), the clip, the rows updated and the
-next step released (``step``).
+member maps them onto the step's end in the store's training ``RowPipeline`` (given at construction, open while a
+training stream is): the row gradients sent to their owners and their squared norm summed (``reduce_gradients``, the
+role of DDP's ``finish_grad_sync``), the clip, the rows updated and the next step released (``step``).
 
 Three things the chain does not do for host rows, done here:
 - The clip. The rows are not parameters (they live in host memory or the working set's slots), so ``get_parameters``
@@ -24,8 +24,9 @@ Three things the chain does not do for host rows, done here:
   made readable and released (``RowPipeline.skip``). Every rank takes the same way: the norm and the loss are
   all-reduced.
 
-The tables' state is checkpointed in its own directory (``checkpoint/host_tables.py``: each node writes its owners'
-rows), so the dense checkpoint keeps the layout megatron gives the dense optimizer alone.
+The tables' state is checkpointed through this member (``sharded_state_dict``, ``load_state_dict``) in a directory of
+its own (``checkpoint/host_tables.py``: each node writes its owners' rows), so the dense checkpoint keeps the layout
+megatron gives the dense optimizer alone (``FiniteChain.dense``).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ import torch
 from megatron.core.optimizer import MegatronOptimizer
 from torch.profiler import record_function
 
-from stem_megatron.host_tables.store import HostTableStore
+from stem_megatron.host_tables.store import CHECKPOINT_KINDS, HostTableStore
 from stem_megatron.training.finite_chain import FiniteChain
 
 
@@ -45,12 +46,14 @@ class TableOptimizer(MegatronOptimizer):
     """The host tables' rows, updated by the store's row optimizer as a member of megatron's chain after ``dense``
     (megatron's optimizer of the dense parameters, whose config it shares). ``clip``: ``host_tables.clip``."""
 
+    hosted = True  # a checkpoint has a ``stem/`` part (``checkpoint/host_tables.py``)
+
     def __init__(self, store: HostTableStore, dense: MegatronOptimizer, clip: str = "global"):
         if clip not in ("global", "separate"):
             raise ValueError(f"host_tables.clip must be 'global' or 'separate', got {clip!r}")
         # no torch optimizer to wrap (MegatronOptimizer.__init__ would warn that this rank has none): its attributes
         self.optimizer, self.config, self.is_stub_optimizer = None, dense.config, False
-        self.store, self.dense, self.separate = store, dense, clip == "separate"
+        self.store, self.pipeline, self.dense, self.separate = store, store.pipeline, dense, clip == "separate"
         # the LR scheduler sets this group's lr as it sets the dense groups'; the rows' decay is the store's
         self._groups = [{"params": [], "lr": dense.config.lr, "weight_decay": dense.config.weight_decay}]
         self.step_record: dict = {}  # the step's norms, for the training loop's record
@@ -117,10 +120,10 @@ class TableOptimizer(MegatronOptimizer):
         self._pipeline().skip()
 
     def _pipeline(self):
-        if self.store.pipeline is None:
+        if not self.pipeline.is_open:
             raise RuntimeError("a step with host STEM tables ran outside their stream: read the batches through "
                                "HostTableStore.stream (training/data_stream.py), whose pipeline ends each step")
-        return self.store.pipeline
+        return self.pipeline
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Nothing: each step's row gradients are its own (``RowGradients``), let go as the step ends."""
@@ -133,16 +136,22 @@ class TableOptimizer(MegatronOptimizer):
 
     def state_dict(self) -> dict:
         """The Adam step count: the rows and moments are saved by their owners (``sharded_state_dict``)."""
-        return {"steps_done": self.store.steps_done}
+        return {"steps_done": self.pipeline.steps_done}
 
     def load_state_dict(self, state_dict: dict) -> None:
-        self.store.steps_done = state_dict["steps_done"]
+        """After ``sharded_state_dict(is_loading=True)``'s tensors were filled from a checkpoint: every node's copy of
+        the rows from their owners and, resuming, the Adam step count ``steps_done``; without it, a new run from the
+        checkpoint's tables (``HostTableStore.restore``; collective over the world)."""
+        self.store.restore(state_dict.get("steps_done"))
 
-    def sharded_state_dict(self, model_sharded_state_dict=None, is_loading: bool = False, **kwargs) -> dict:
-        """The master rows and both moments, one global tensor a layer and kind in the ownership order
-        (``HostTableStore.sharded_state_dict``; ``checkpoint/host_tables.py`` saves them in a directory of their
-        own)."""
-        return self.store.sharded_state_dict(loading=is_loading)
+    def sharded_state_dict(self, model_sharded_state_dict=None, is_loading: bool = False,
+                           kinds: tuple[str, ...] = CHECKPOINT_KINDS, **kwargs) -> dict:
+        """The master rows and both ``kinds`` of moments (saving: once the last step's updates are done), one global
+        tensor a layer and kind in the ownership order (``HostTableStore.sharded_state_dict``;
+        ``checkpoint/host_tables.py`` saves them in a directory of their own)."""
+        if not is_loading:
+            self.store.settle()
+        return self.store.sharded_state_dict(kinds, loading=is_loading)
 
     def step(self):
         """Megatron's steps go through the chain: a member alone has no dense norm to clip by."""

@@ -12,7 +12,7 @@ import math
 import torch
 
 from stem_megatron.config import RunConfig
-from stem_megatron.training.data_stream import batch_stream
+from stem_megatron.training.data_stream import batch_stream, micro_batches_per_step
 from stem_megatron.training.step import forward_backward
 
 
@@ -28,11 +28,11 @@ def check_size(cfg: RunConfig, valid_samples: int) -> None:
 def validation_loss(trainer, valid_dataset, cfg: RunConfig, dp: int) -> dict:
     """``valid_loss`` (mean token cross-entropy, nats) and ``valid_ppl`` of the current weights."""
     t = cfg.train
-    n_micro = t.eval_iters * t.global_batch_size // (t.micro_batch_size * dp)
-    store = trainer.store
+    n_micro = t.eval_iters * micro_batches_per_step(cfg, dp)
     trainer.model.eval()
     try:
-        with batch_stream(valid_dataset, cfg, dp, store, n_micro, steps=1, training=False) as data, torch.no_grad():
+        with batch_stream(valid_dataset, cfg, dp, trainer.tables, n_micro, steps=1, training=False) as data, \
+                torch.no_grad():
             loss = forward_backward(trainer.model, data, n_micro, t.micro_batch_size, cfg.model.seq_length,
                                     cfg.model.vocab_size, forward_only=True)
     finally:

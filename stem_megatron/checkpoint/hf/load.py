@@ -90,8 +90,8 @@ def init_from_hf(cfg: RunConfig, trainer) -> Path:
 def _tables_from_dense(cfg: RunConfig, trainer, directory: Path, read: HFWeights) -> None:
     """``U_l[t] = W_u E[x_l | t]`` into every STEM table of this stage (``calibration``), a group of layers at a time:
     a group's means become its tables and leave the device before the next group's pass."""
-    store, device_tables = trainer.store, _stem_tables(trainer)
-    layers = [layer - 1 for layer in store.layers] if store is not None else sorted(device_tables)
+    host, device_tables = trainer.tables, _stem_tables(trainer)  # one of them holds this stage's tables
+    layers = sorted(device_tables) + [layer - 1 for layer in host.layers]
     # every rank takes part in every group's pass (its all-reduces) and load (a node collective), also a stage with
     # none of the group's layers
     planned = planned_layers(cfg.model.num_layers, cfg.stem)
@@ -102,8 +102,6 @@ def _tables_from_dense(cfg: RunConfig, trainer, directory: Path, read: HFWeights
             up = read(f"model.layers.{layer}.mlp.up_proj.weight").to(device, torch.float32)
             tables[layer] = (means.pop(layer) @ up.t()).cpu()  # V x d_ff: on the device, GPU or not
         means.clear()
-        if store is not None:
-            store.load_tables({layer + 1: table for layer, table in tables.items()})
-        else:
-            for layer, table in tables.items():
-                device_tables[layer].copy_(shard_of(table, device_tables[layer]))
+        host.load_tables({layer + 1: table for layer, table in tables.items() if layer not in device_tables})
+        for layer in set(tables) & set(device_tables):
+            device_tables[layer].copy_(shard_of(tables[layer], device_tables[layer]))

@@ -21,7 +21,7 @@ class StepMeter:
         self.flops_per_token = model_flops_per_token(cfg.model, cfg.stem, cfg.hash_moe)
         self.peak_tflops = cfg.logging.peak_tflops or device_peak_tflops()
         self.devices = dist.get_world_size()
-        self.store, self.model = trainer.store, trainer.model
+        self.tables, self.model = trainer.tables, trainer.model
 
     def record(self, step: int, out: dict, elapsed: float, data) -> dict:
         """The record of ``step``, whose ``train_step`` returned ``out`` after ``elapsed`` seconds reading ``data``
@@ -35,8 +35,6 @@ class StepMeter:
         return record
 
     def table_counters(self, data) -> dict:
-        """The host tables' counters of the step (``HostTableStore.take_stats``: a collective over the node) and the
-        training thread's wait for its rows; none without host tables."""
-        if self.store is None:
-            return {}
-        return {**self.store.take_stats(), "stem_prefetch_wait_s": data.take_wait_s()}
+        """The host tables' counters of the step and the training thread's wait for its rows in ``data``
+        (``HostTableStore.take_stats``: a collective over the node); none without host tables."""
+        return self.tables.take_stats(data)
