@@ -12,10 +12,11 @@ from typing import NamedTuple, Optional
 
 import torch
 
+from stem_megatron.host_tables.counters import Counted
 from stem_megatron.host_tables.node import enter_host_thread
 
 
-class RowUpdates:
+class RowUpdates(Counted):
     """Runs a step's CPU Adam in two parts on one "stem-adam" thread: ``now`` waits for its part, ``later`` (with
     ``overlapped``; else it waits too) returns at once and ``settle`` waits for it. The thread runs the kernel with
     ``threads`` OpenMP threads of its own, whatever the training thread's count, on ``device`` (it waits for copies
@@ -32,11 +33,6 @@ class RowUpdates:
         """CPU Adam seconds the training thread waited for, seconds of the last step's later part that ran
         beside this step, and seconds this step waited for it."""
         return dict(cpu_adam_s=0.0, cpu_adam_overlapped_s=0.0, adam_wait_s=0.0)
-
-    def take_stats(self) -> dict:
-        """The counters since the last take, reset."""
-        stats, self.stats = self.stats, self.new_stats()
-        return stats
 
     def now(self, work: Callable[[], None]) -> None:
         self.settle()
@@ -80,7 +76,7 @@ class MissedUpdate(NamedTuple):
 CHUNK_ELEMENTS = 1 << 24  # a chunk's elements over the layers, what an asker may wait for (~30 ms at 1B: gpu_step_v2)
 
 
-class LaterDecay:
+class LaterDecay(Counted):
     """The rows whose decay is due (``expect``, training thread), run on the Adam thread (``run``) while the
     prefetch thread waits for the ones it reads (``wait_for``)."""
 
@@ -97,11 +93,6 @@ class LaterDecay:
     def new_stats() -> dict:
         """Rows whose decay the prefetch thread asked for (ahead of their turn) and its seconds waiting for them."""
         return dict(decay_rows_asked=0, decay_wait_s=0.0)
-
-    def take_stats(self) -> dict:
-        """The counters since the last take, reset."""
-        stats, self.stats = self.stats, self.new_stats()
-        return stats
 
     def expect(self, ids: torch.Tensor) -> None:
         """(training thread, before queueing ``run``) ``ids`` are due: a ``wait_for`` them waits for their decay."""

@@ -24,6 +24,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
+from stem_megatron.host_tables.counters import Counted
 from stem_megatron.host_tables.node import NodeLayout
 from stem_megatron.host_tables.ownership import RowOwnership
 from stem_megatron.host_tables.transfer import copy_to_device
@@ -57,7 +58,7 @@ class Route:
         return replace(self, keep=keep, send=send, inverse=inverse, by_id=by_id, adding=adding)
 
 
-class RowExchange:
+class RowExchange(Counted):
     def __init__(self, ownership: RowOwnership, node: NodeLayout, device: torch.device, wire_dtype: str = "fp32"):
         """``node.local``: this rank's DP peers on its node (None: alone); ``node.rail``: the ranks of this peer
         class on every node, group rank = node index (None: one node); ``*_host``: their gloo twins."""
@@ -70,11 +71,6 @@ class RowExchange:
     @staticmethod
     def new_stats() -> dict:
         return dict(bytes_sent=0, inter_node_sent=0, inter_node_received=0, exchange_s=0.0)
-
-    def take_stats(self) -> dict:
-        """The counters since the last take, reset."""
-        stats, self.stats = self.stats, self.new_stats()
-        return stats
 
     def _count(self, group, sent: int, received: int) -> None:
         if group is not None and group in (self.local_plan, self.rail_plan):

@@ -18,13 +18,14 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
+from stem_megatron.host_tables.counters import Counted
 from stem_megatron.host_tables.exchange import Route, RowExchange
 from stem_megatron.host_tables.transfer import DeviceToHost
 
 Landed = tuple[torch.Tensor, torch.Tensor, Optional[torch.cuda.Event]]  # (ids, gradients, their copy's end)
 
 
-class RowGradients:
+class RowGradients(Counted):
     """Per STEM layer, the step's row gradients: merged on the device, exchanged, landed on the host."""
 
     def __init__(self, layers: list[int], cols: int, exchange: RowExchange, dp_group, device: torch.device,
@@ -53,11 +54,6 @@ class RowGradients:
         ``step_rows`` less the prefetcher's queue). ``exchange_wait_s``: the step's wait after backward for
         layers not sent during it."""
         return dict(bytes_from_device=0, layers_sent_in_backward=0, exchange_wait_s=0.0, device_row_bytes_peak=0)
-
-    def take_stats(self) -> dict:
-        """The counters since the last take, reset."""
-        stats, self.stats = self.stats, self.new_stats()
-        return stats
 
     def _hold(self, nbytes: int, transient: int = 0) -> None:
         self._held += nbytes

@@ -11,6 +11,7 @@ from typing import Optional
 
 import torch
 
+from stem_megatron.host_tables.counters import Counted
 from stem_megatron.host_tables.exchange import Route, RowExchange
 from stem_megatron.host_tables.row_state import HostRecord
 from stem_megatron.host_tables.transfer import copy_to_device
@@ -58,7 +59,7 @@ class OwnRows:
         """Nothing held beside the working set."""
 
 
-class StepRows:
+class StepRows(Counted):
     """At DP > 1, per STEM layer the rows of the step about to run, received from their owners, in the order of its
     sorted distinct ids.
 
@@ -86,11 +87,6 @@ class StepRows:
     def new_stats() -> dict:
         """Rows received a step (each layer counted) and the training thread's seconds in ``receive``."""
         return dict(rows_received=0, receive_s=0.0)
-
-    def take_stats(self) -> dict:
-        """The counters since the last take, reset."""
-        stats, self.stats = self.stats, self.new_stats()
-        return stats
 
     def begin_planning_ahead(self) -> bool:
         """(training thread, every rank of the DP group alike) From now on each training step is planned by the

@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 
 from stem_megatron.host_tables.adam_thread import MissedUpdate
+from stem_megatron.host_tables.counters import Counted
 from stem_megatron.host_tables.row_optimizer import RowOptimizer
 from stem_megatron.host_tables.row_state import KINDS, HostRecord, RowState
 from stem_megatron.host_tables.staged_rows import StagedRows
@@ -52,7 +53,7 @@ from stem_megatron.model.stem_rows import RowOrder
 GROWTH = 1.25  # a set too small for a step's distinct ids grows by at least this factor
 
 
-class WorkingSet:
+class WorkingSet(Counted):
     """Per STEM layer, ``capacity`` device slots of rows with their optimizer state; ``slot_of`` maps ids to
     slots (-1: not resident) on the host."""
 
@@ -100,11 +101,6 @@ class WorkingSet:
         does on a GPU); seconds the prefetch thread spent planning and loading rows ahead (``DeviceTier``)."""
         return dict(rows_entered=0, rows_entered_ahead=0, rows_entered_staged=0, rows_left=0, resident_update_s=0.0,
                     ahead_s=0.0)
-
-    def take_stats(self) -> dict:
-        """The counters since the last take, reset."""
-        stats, self.stats = self.stats, self.new_stats()
-        return stats
 
     @property
     def capacity(self) -> int:
