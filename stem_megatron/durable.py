@@ -15,6 +15,12 @@ def write_synced(path: Path, data: str | bytes) -> None:
         os.fsync(f.fileno())
 
 
+def fsync_file(path) -> None:
+    """Make the contents of the written file ``path`` durable (a dataset's, before its rename)."""
+    with open(path, "rb+") as f:
+        os.fsync(f.fileno())
+
+
 def fsync_dir(path: Path) -> None:
     """Make the entries of directory ``path`` (new files, renames) durable."""
     fd = os.open(path, os.O_RDONLY)

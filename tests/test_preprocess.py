@@ -169,7 +169,7 @@ def test_bad_input_is_one_line_naming_file_and_record(name, make, message, token
     make(tmp_path / name)
     good = _write(tmp_path / "ok.jsonl", _docs(4, 10))
     args = ["--input", str(good), str(tmp_path / name), "--output-prefix", str(tmp_path / "out" / "train"),
-            "--tokenizer", str(tokenizer), "--workers", "2"]
+            "--tokenizer", str(tokenizer), "--workers", "1"]  # the workers' path: the tests above
     with pytest.raises(SystemExit) as stop:
         main(args)
     err = capsys.readouterr().err

@@ -18,7 +18,7 @@ import numpy as np
 from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
 from stem_megatron.data.integrity import DataError, check_indexed_dataset
-from stem_megatron.durable import fsync_dir, write_synced
+from stem_megatron.durable import fsync_dir, fsync_file, write_synced
 
 
 def is_complete(prefix: Path) -> bool:
@@ -30,7 +30,7 @@ def is_complete(prefix: Path) -> bool:
         return False
 
 
-def _temporary(prefix: Path) -> Path:
+def temporary(prefix: Path) -> Path:
     """A name beside ``prefix`` no other process uses (two jobs of one shard, even on two nodes, write apart)."""
     return prefix.with_name(f".{prefix.name}.tmp-{socket.gethostname()}-{os.getpid()}")
 
@@ -41,17 +41,12 @@ def remove_temporaries(prefix: Path) -> None:
         stale.unlink(missing_ok=True)
 
 
-def _sync(path: str) -> None:
-    with open(path, "rb+") as f:
-        os.fsync(f.fileno())
-
-
 class DatasetWriter:
     """``with DatasetWriter(prefix, dtype) as out: out.add(tokens, lengths)``: documents appended in order;
     ``prefix`` appears, complete, only when the block ends without an error."""
 
     def __init__(self, prefix: Path, dtype):
-        self.prefix, self.dtype, self._tmp = Path(prefix), dtype, _temporary(Path(prefix))
+        self.prefix, self.dtype, self._tmp = Path(prefix), dtype, temporary(Path(prefix))
 
     def __enter__(self) -> "DatasetWriter":
         self._builder = IndexedDatasetBuilder(f"{self._tmp}.bin", dtype=self.dtype)
@@ -76,7 +71,7 @@ class DatasetWriter:
             return None
         self._builder.finalize(f"{self._tmp}.idx")
         for suffix in (".bin", ".idx"):
-            _sync(f"{self._tmp}{suffix}")
+            fsync_file(f"{self._tmp}{suffix}")
         for suffix in (".bin", ".idx"):
             os.replace(f"{self._tmp}{suffix}", f"{self.prefix}{suffix}")
         fsync_dir(self.prefix.parent)

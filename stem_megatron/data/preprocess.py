@@ -16,7 +16,6 @@ import itertools
 import multiprocessing
 import os
 import shutil
-import socket
 from collections import deque
 from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ProcessPoolExecutor
@@ -29,7 +28,7 @@ from megatron.core.datasets.indexed_dataset import DType, IndexedDataset
 from stem_megatron.data import encode
 from stem_megatron.data.documents import BadInput, Chunk, chunks, expand_inputs, format_of, read_documents
 from stem_megatron.data.parts import (DatasetWriter, counts, is_complete, move, recorded_inputs, remove_temporaries,
-                                     reusable, write_record)
+                                     reusable, temporary, write_record)
 from stem_megatron.data.progress import Progress
 from stem_megatron.data.shards import PART_MB, Part, default_workers, parse_shard, plan_parts, shard_prefix, shard_range
 from stem_megatron.data.tokenizer import HFTokenizer, train_tokenizer
@@ -60,7 +59,7 @@ def _beside(tokenizer: Path, data_dir: Path) -> Path:
         raise FileNotFoundError(f"tokenizer {tokenizer} does not exist")
     there = data_dir / "tokenizer.json"
     if not there.exists():
-        copy = data_dir / f".tokenizer.json.tmp-{socket.gethostname()}-{os.getpid()}"
+        copy = temporary(there)
         shutil.copyfile(tokenizer, copy)
         os.replace(copy, there)
     elif there.read_bytes() != tokenizer.read_bytes():
@@ -140,11 +139,11 @@ def _write_part(results: Iterator, prefix: Path, dtype, made_from: dict, skip_ba
                                          "first_bad": bad[0] if bad else None})
 
 
-def _made_from(parts: list[Part], tokenizer: Path, text_key: str, skip_bad: bool) -> dict:
-    """What an output is made from: its input files and sizes, the tokenizer's digest and the reading settings."""
-    return {"files": [str(Path(f).resolve()) for part in parts for f in part.files], "sizes": [s for part in parts for s in part.sizes],
-            "tokenizer": hashlib.sha256(tokenizer.read_bytes()).hexdigest(), "text_key": text_key,
-            "skip_bad": skip_bad}
+def _made_from(parts: list[Part], settings: dict) -> dict:
+    """What an output is made from: its input files and sizes, and ``settings`` (the tokenizer's digest, the reading
+    settings)."""
+    return {"files": [str(Path(f).resolve()) for part in parts for f in part.files],
+            "sizes": [s for part in parts for s in part.sizes], **settings}
 
 
 def _tokenizer_for(files, prefix: Path, tokenizer, vocab_size, text_key: str, shards: int) -> Path:
@@ -208,7 +207,9 @@ def preprocess(inputs, output_prefix, tokenizer=None, vocab_size=None, text_key=
     files = [files[i] for i in shard_range([path.stat().st_size for path in files], shard, shards)]
     mine = plan_parts(files, int(part_mb * 2**20))
     out = shard_prefix(prefix, shard, shards)
-    made_from = _made_from(mine, tokenizer, text_key, skip_bad)
+    settings = {"tokenizer": hashlib.sha256(tokenizer.read_bytes()).hexdigest(), "text_key": text_key,
+                "skip_bad": skip_bad}
+    made_from = _made_from(mine, settings)
     summary = {"prefix": str(out), "files": len(made_from["files"]), "tokenizer": str(tokenizer)}
     if reusable(out, made_from):
         return {**summary, **counts(out), "reused": True}
@@ -218,7 +219,7 @@ def preprocess(inputs, output_prefix, tokenizer=None, vocab_size=None, text_key=
     work = out.with_name(f"{out.name}.parts")
     work.mkdir(exist_ok=True)
     part_prefix = {part.index: work / f"part-{part.index:06d}" for part in mine}
-    part_made_from = {part.index: _made_from([part], tokenizer, text_key, skip_bad) for part in mine}
+    part_made_from = {part.index: _made_from([part], settings) for part in mine}
     todo = [part for part in mine if not reusable(part_prefix[part.index], part_made_from[part.index])]
     progress = Progress(sum(p.bytes for p in mine), sum(p.bytes for p in mine if p not in todo), stream)
     results = _encoded(_items(todo, text_key), workers, (str(tokenizer), hf.eod, dtype, text_key))
@@ -306,8 +307,8 @@ def _summary(stats: dict) -> str:
     if stats.get("reused"):
         return f"{line} (complete already: delete it to rebuild)"
     if "seconds" in stats:
-        line += (f" in {stats['seconds']:.1f} s ({stats['tokens_per_s'] / 1e6:.2f}M tokens/s"
-                 f"{f', {stats['reused_parts']} parts from an earlier run' if stats['reused_parts'] else ''})")
+        earlier = f", {stats['reused_parts']} parts from an earlier run" if stats["reused_parts"] else ""
+        line += f" in {stats['seconds']:.1f} s ({stats['tokens_per_s'] / 1e6:.2f}M tokens/s{earlier})"
     if stats["bad"]:
         line += f"; skipped {stats['bad']:,} bad records or damaged files (first: {stats['first_bad']})"
     return line
