@@ -17,6 +17,7 @@ from omegaconf import OmegaConf
 from stem_megatron.data.blend import expand_blend
 from stem_megatron.data.integrity import data_config_problem
 from stem_megatron.layer_plan import RATIOS, VARIANTS, stem_layer_indices
+from stem_megatron.run_plan import tables_on_device, tables_on_host
 from stem_megatron.setup_check import corpus_problem
 
 
@@ -256,7 +257,7 @@ def validate(cfg: RunConfig, world_size: int) -> int:
     """Check every field that would otherwise fail deep inside megatron; returns the DP size."""
     dp = validate_layout(cfg, world_size)
     h, c = cfg.host_tables, cfg.checkpoint
-    _check(h.placement != "host" or Path(h.shm_dir).is_dir(), "host_tables.shm_dir",
+    _check(not tables_on_host(cfg) or Path(h.shm_dir).is_dir(), "host_tables.shm_dir",
            f"{h.shm_dir} is not a directory: give a tmpfs directory every rank of a node sees (e.g. /dev/shm)")
     _check(h.host_memory_gib is None or h.host_memory_gib > 0, "host_tables.host_memory_gib",
            f"{h.host_memory_gib} GiB: give the memory a node can give its tables, or null to read it from the machine")
@@ -303,10 +304,9 @@ def validate_layout(cfg: RunConfig, world_size: int) -> int:
     _check(h.optimizer in ("lazy", "dense"), "host_tables.optimizer", f"{h.optimizer!r} is not 'lazy' or 'dense'")
     _check(h.clip in ("global", "separate"), "host_tables.clip",
            f"{h.clip!r} is not 'global' or 'separate' (docs/recipes.md)")
-    _check(h.clip == "global" or h.placement == "host" or s.variant in ("dense", "hash_moe"), "host_tables.clip",
-           "separate clipping needs host_tables.placement=host: on the device the tables are parameters of megatron's "
-           "optimizer, which clips all its parameters by one norm; set host_tables.placement=host or "
-           "host_tables.clip=global")
+    _check(h.clip == "global" or not tables_on_device(cfg), "host_tables.clip", "separate clipping needs "
+           "host_tables.placement=host: on the device the tables are parameters of megatron's optimizer, which clips "
+           "all its parameters by one norm; set host_tables.placement=host or host_tables.clip=global")
     _check(h.wire_dtype in ("fp32", "bf16"), "host_tables.wire_dtype", f"{h.wire_dtype!r} is not 'fp32' or 'bf16'")
     _check(h.read_dtype in ("fp32", "bf16"), "host_tables.read_dtype", f"{h.read_dtype!r} is not 'fp32' or 'bf16'")
     _check(s.table_init in ("scaled", "xavier", "from_dense"), "stem.table_init",
@@ -320,7 +320,7 @@ def validate_layout(cfg: RunConfig, world_size: int) -> int:
     _check(h.cache_rows >= 0, "host_tables.cache_rows", "must be >= 0")
     _check(h.resident_rows >= 0, "host_tables.resident_rows", "must be >= 0")
     if h.resident_rows and s.variant not in ("dense", "hash_moe"):
-        _check(h.placement == "host", "host_tables.resident_rows", "a working set holds host tables' rows: set "
+        _check(tables_on_host(cfg), "host_tables.resident_rows", "a working set holds host tables' rows: set "
                "host_tables.placement=host or host_tables.resident_rows=0")
         _check(not h.cache_rows, "host_tables.cache_rows", "the working set (host_tables.resident_rows) replaces the "
                "hot-row cache: set host_tables.cache_rows=0")

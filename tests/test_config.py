@@ -67,6 +67,15 @@ def test_separate_clip_needs_host_tables():
                                                                                         clip="separate")), 1) == 1
 
 
+def test_shm_dir_is_checked_where_tables_live_in_host_memory(tmp_path):
+    """The tables in host memory are mapped from host_tables.shm_dir; a run without them needs none."""
+    missing = str(tmp_path / "no_shm")
+    with pytest.raises(ConfigError, match=r"host_tables\.shm_dir: .*no_shm is not a directory"):
+        validate(_cfg(host_tables=HostTablesConfig(shm_dir=missing)), 1)
+    assert validate(_cfg(stem=STEMConfig(variant="dense"), host_tables=HostTablesConfig(shm_dir=missing)), 1) == 1
+    assert validate(_cfg(host_tables=HostTablesConfig(placement="device", shm_dir=missing)), 1) == 1
+
+
 def test_an_existing_export_directory_is_refused_before_training(tmp_path):
     """The export is written after the last step and never replaces a directory: said at the start, not then."""
     with pytest.raises(ConfigError, match=r"checkpoint\.export: .* already exists.*remove it or choose another"):

@@ -45,7 +45,7 @@ def _store_and_model(nodes: int, tp: int, pp: int, copies: str) -> dict:
     from stem_megatron.host_tables.placement import build_tables
     from stem_megatron.model.device_table import DeviceRowTable
     from stem_megatron.model.gpt import build_gpt, transformer_config
-    from stem_megatron.training.data_stream import micro_batches_per_step
+    from stem_megatron.run_plan import micro_batches_per_step
 
     rank, world = dist.get_rank(), dist.get_world_size()
     os.environ["GROUP_RANK"] = str(rank * nodes // world)  # the launcher's node: ranks node by node

@@ -41,7 +41,7 @@ def _both_placements():
     from stem_megatron.host_tables.placement import build_tables
     from stem_megatron.model.gpt import build_gpt
     from stem_megatron.model.stem_mlp import STEMMLP
-    from stem_megatron.training.data_stream import micro_batches_per_step
+    from stem_megatron.run_plan import micro_batches_per_step
 
     out = []
     for table_init, std, _ in CASES:

@@ -29,6 +29,7 @@ from __future__ import annotations
 from stem_megatron.config import RunConfig
 from stem_megatron.flops.layout import Layout, stage_layers
 from stem_megatron.layer_plan import planned_layers
+from stem_megatron.run_plan import tables_on_host
 
 FP32 = 4
 # the rise of a CPU process's RSS over its first micro-batches against torch's allocations at their peak (glibc's
@@ -99,7 +100,7 @@ def kept_bytes(cfg: RunConfig, layout: Layout, stage: int, distinct_ids: int = 0
     norm = 2 * hidden * w + FP32 if gpu else (3 * hidden + 1) * FP32  # a norm and the linear after it
     attention = attention_kept(cfg, layout)[1]
     replaced = set(planned_layers(m.num_layers, s))
-    compact = s.variant == "stem" and cfg.host_tables.placement == "host"  # ``stem_rows``' product over compact rows
+    compact = s.variant == "stem" and tables_on_host(cfg)  # ``stem_rows``' product over compact rows
     per_token, compact_layers = 0.0, 0
     for i in stage_layers(cfg, layout.pp, stage):
         per_token += 2 * norm + attention + _ffn_terms(s.variant if i in replaced else "dense", gpu, compact) * f * w

@@ -11,6 +11,7 @@ import numpy as np
 
 from stem_megatron.config import RunConfig
 from stem_megatron.flops.arch import REPO, FlopsError
+from stem_megatron.run_plan import micro_batches_per_step
 
 PROFILE = REPO / "benchmarks" / "data" / "token_counts_128k.npy"  # per-id counts of 32.1M tokens
 
@@ -51,6 +52,6 @@ def profile_counts() -> np.ndarray:
 def run_distinct_ids(cfg: RunConfig, dp: int) -> tuple[int, int, int]:
     """(a micro-batch's, a DP rank's step's, the DP group's step's) distinct ids, expected of the run's batches drawn
     from the profile at its vocabulary."""
-    t, tokens = cfg.train, cfg.train.micro_batch_size * cfg.model.seq_length
-    step = t.global_batch_size // (t.micro_batch_size * dp) * tokens
+    tokens = cfg.train.micro_batch_size * cfg.model.seq_length
+    step = micro_batches_per_step(cfg, dp) * tokens
     return expected_distinct_ids(profile_counts(), cfg.model.vocab_size, (tokens, step, dp * step))

@@ -47,6 +47,7 @@ from stem_megatron.host_tables.transfer import (STAGING_SLOTS, cache_staging_byt
                                               pinned_block_bytes, staged_bytes, staged_rows, staging_bytes,
                                               working_set_bytes)
 from stem_megatron.layer_plan import planned_layers
+from stem_megatron.run_plan import micro_batches_per_step, tables_on_device, tables_on_host
 
 GIB = 2**30
 # a rank's peak RSS minus its model, optimizer and activations: python, torch, megatron, DeepSpeed's CPU Adam op,
@@ -90,7 +91,7 @@ def check_layout(cfg: RunConfig, layout: Layout) -> None:
 
 def host_stem_layers(cfg: RunConfig, pp: int, stage: int) -> list[int]:
     """0-based STEM layers of ``stage`` whose ``U_l`` lives in host memory."""
-    if cfg.host_tables.placement != "host" or cfg.stem.variant in ("dense", "hash_moe"):
+    if not tables_on_host(cfg):
         return []
     return [i for i in planned_layers(cfg.model.num_layers, cfg.stem) if i in stage_layers(cfg, pp, stage)]
 
@@ -110,7 +111,7 @@ def rank_parameters(cfg: RunConfig, layout: Layout, stage: int) -> tuple[int, in
             local = e.num_experts // cfg.parallel.expert_model_parallel_size * 3 * d * (e.expert_ffn_hidden_size or f)
             total, experts = total + local, experts + local
         else:
-            device_table = V * f // tp if cfg.host_tables.placement == "device" else 0
+            device_table = V * f // tp if tables_on_device(cfg) else 0
             total += FFN_MATMULS[s.variant] * d * f // tp + device_table
     if stage == 0:
         total += V * d // tp  # embedding
@@ -157,7 +158,7 @@ def pinned_bytes(cfg: RunConfig, layout: Layout, stage: tuple[int, int, int, int
     _, dp_node, dp_nodes, peers = stage
     slot = max(staging_bytes(layers, min(V, tokens), cols, itemsize, tokens),
                cache_staging_bytes(min(h.cache_rows, V), cols, itemsize))
-    micro = t.global_batch_size // (t.micro_batch_size * layout.dp)
+    micro = micro_batches_per_step(cfg, layout.dp)
     step_ids = layout.dp * min(V, micro * tokens)  # as the store bounds them (``store.py``)
     total = 0
     for peer in range(peers):
@@ -181,7 +182,7 @@ def plan(cfg: RunConfig, layout: Layout, distinct_ids: Optional[int] = None,
     check_layout(cfg, layout)
     m, h, t, par = cfg.model, cfg.host_tables, cfg.train, cfg.parallel
     V, gpu, dp, row = m.vocab_size, layout.device == "gpu", layout.dp, m.ffn_hidden_size // layout.tp * FP32
-    micro = t.global_batch_size // (t.micro_batch_size * dp)
+    micro = micro_batches_per_step(cfg, dp)
     uniq = min(V, distinct_ids or t.micro_batch_size * m.seq_length)
     step_uniq = min(V, micro * uniq, step_distinct_ids or V)  # distinct ids of a step (one DP rank's micro-batches)
     copy_row = row // (2 if h.read_dtype == "bf16" else 1)  # a row of the host copies

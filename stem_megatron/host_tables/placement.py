@@ -16,7 +16,7 @@ from stem_megatron.config import RunConfig
 from stem_megatron.host_tables.store import HostTableStore, StoreConfig
 from stem_megatron.layer_plan import planned_layers
 from stem_megatron.model.device_table import table_init_std
-from stem_megatron.model.stem_mlp import STEM_VARIANTS
+from stem_megatron.run_plan import tables_on_host
 
 
 class NoTables:
@@ -57,13 +57,12 @@ Tables = Union[HostTableStore, NoTables]
 def build_tables(cfg: RunConfig, tconfig: TransformerConfig, device: torch.device, micro_batches: int) -> Tables:
     """The host tables of this pipeline stage's STEM layers (collective: every rank builds one) with
     ``host_tables.placement=host`` and a STEM variant, else ``NoTables``. ``micro_batches``: a step's, per DP rank."""
-    h = cfg.host_tables
-    if h.placement != "host" or cfg.stem.variant not in STEM_VARIANTS:
+    if not tables_on_host(cfg):
         return NoTables()
     first = get_transformer_layer_offset(tconfig) + 1
     local = range(first, first + get_num_layers_to_build(tconfig))
     layers = [i + 1 for i in planned_layers(cfg.model.num_layers, cfg.stem) if i + 1 in local]
-    t, m = cfg.train, cfg.model
+    t, m, h = cfg.train, cfg.model, cfg.host_tables
     return HostTableStore(StoreConfig(
         tuple(layers), m.vocab_size, m.ffn_hidden_size,
         table_init_std(tconfig, m.vocab_size, cfg.stem.table_init, cfg.stem.table_init_std), t.seed, host=h,

@@ -57,7 +57,8 @@ class InferenceModel:
             raise ValueError(f"placement {placement!r} is not one of {PLACEMENTS}")
         if cache_rows < 0:
             raise ValueError(f"cache_rows={cache_rows} must be >= 0")
-        if cache_rows and placement != "host":
+        on_host = placement == "host"
+        if cache_rows and not on_host:
             raise ValueError("cache_rows needs placement='host' (on-device tables need no row cache)")
         self.export_dir = Path(export_dir)
         self.config, weights, tokenizer_path = read_export(export_dir)
@@ -72,7 +73,7 @@ class InferenceModel:
         self.budget = ByteBudget.from_weights(weights)  # parameter bytes per forward (generate.generate_batch)
         tables, rest = split_tables(weights)
         self.host_tables: Optional[ReadOnlyHostTables] = None
-        if placement == "host" and tables:
+        if on_host and tables:
             self.host_tables = ReadOnlyHostTables(tables, self.device, cache_rows, refresh_every)
             model = build_host_rows_model(self.config, self.host_tables)
             weights = rest  # the tables live in self.host_tables only

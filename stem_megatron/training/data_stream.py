@@ -36,11 +36,6 @@ def run_datasets(cfg: RunConfig):
     )
 
 
-def micro_batches_per_step(cfg: RunConfig, dp: int) -> int:
-    """A training step's micro-batches on each of ``dp`` DP ranks (``validate`` checks that they divide)."""
-    return cfg.train.global_batch_size // (cfg.train.micro_batch_size * dp)
-
-
 def batch_stream(dataset, cfg: RunConfig, dp: int, tables, num_micro_batches: int, start_step: int = 0,
                  steps: Optional[int] = None, training: bool = True):
     """This DP rank's micro-batches of ``dataset`` from step ``start_step`` (``steps`` steps, or on until

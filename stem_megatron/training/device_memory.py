@@ -17,6 +17,7 @@ import torch
 from stem_megatron.config import RunConfig
 from stem_megatron.flops.memory import GIB, Layout, plan
 from stem_megatron.parallel import have_transformer_engine
+from stem_megatron.run_plan import tables_on_device, tables_on_host
 
 
 def out_of_memory_in(error: BaseException) -> Optional[torch.OutOfMemoryError]:
@@ -67,17 +68,17 @@ def out_of_memory_message(cfg: RunConfig, error: torch.OutOfMemoryError) -> str:
         expected = f"the memory plan expects {planned / GIB:.2f} GiB per {unit} for this run"
     except Exception as e:  # noqa: BLE001 - the plan is advice; the knobs below still apply
         expected = f"the memory plan could not be computed ({e})"
-    p, s, h = cfg.parallel, cfg.stem, cfg.host_tables
+    p, h = cfg.parallel, cfg.host_tables
     knobs = [f"a smaller train.micro_batch_size (now {cfg.train.micro_batch_size}; the global batch stays, in "
              f"more micro-batches)",
              f"tensor or pipeline parallelism (parallel.tensor_model_parallel_size, now "
              f"{p.tensor_model_parallel_size}; parallel.pipeline_model_parallel_size, now "
              f"{p.pipeline_model_parallel_size})"]
-    if s.variant not in ("dense", "hash_moe") and h.placement == "device":
+    if tables_on_device(cfg):
         knobs.append("the STEM tables in host memory (host_tables.placement=host)")
-    elif s.variant not in ("dense", "hash_moe") and h.cache_rows:
+    elif tables_on_host(cfg) and h.cache_rows:
         knobs.append(f"fewer hot rows on the device (host_tables.cache_rows, now {h.cache_rows})")
-    elif s.variant not in ("dense", "hash_moe") and h.resident_rows:
+    elif tables_on_host(cfg) and h.resident_rows:
         knobs.append(f"a smaller working set (host_tables.resident_rows, now {h.resident_rows}; at least a step's "
                      f"distinct ids)")
     return (f"out of {'device ' if gpu else ''}memory on {where}: {expected} (`stem-flops --memory` with the same "

@@ -11,6 +11,7 @@ import torch.distributed as dist
 from stem_megatron import parallel
 from stem_megatron.checkpoint.hf.model_config import check_hf_import
 from stem_megatron.config import RunConfig, validate
+from stem_megatron.run_plan import micro_batches_per_step
 from stem_megatron.training.components.checkpointer import Checkpointer
 from stem_megatron.training.components.exporter import Exporter
 from stem_megatron.training.components.loss_spikes import LossSpikes
@@ -19,7 +20,7 @@ from stem_megatron.training.components.skipped_steps import SkippedSteps
 from stem_megatron.training.components.step_log import StepLog
 from stem_megatron.training.components.step_meter import StepMeter
 from stem_megatron.training.components.validator import Validator
-from stem_megatron.training.data_stream import batch_stream, micro_batches_per_step, run_datasets
+from stem_megatron.training.data_stream import batch_stream, run_datasets
 from stem_megatron.training.preemption import StopSignals
 from stem_megatron.training.run_summary import say_start
 from stem_megatron.training.setup import setup_model

@@ -30,7 +30,7 @@ from stem_megatron.flops.variants import variant_from_stem_config
 from stem_megatron.host_tables.node import free_space
 from stem_megatron.layer_plan import planned_layers
 from stem_megatron.parallel import have_transformer_engine, on_gpu
-from stem_megatron.training.data_stream import micro_batches_per_step
+from stem_megatron.run_plan import micro_batches_per_step, tables_on_host
 
 
 def _count(n: int) -> str:
@@ -68,7 +68,7 @@ def start_block(cfg: RunConfig, world: int, ranks_per_node: int, gpu: bool) -> l
     if replaced:
         if s.variant == "hash_moe":
             what = f"{cfg.hash_moe.num_experts} hashed experts"
-        elif h.placement == "host":
+        elif tables_on_host(cfg):
             what = f"tables in host memory ({h.shm_dir}), {h.optimizer} AdamW on the CPU"
         else:
             what = "tables on the device, with the model's optimizer"

@@ -14,8 +14,8 @@ from stem_megatron import parallel
 from stem_megatron.config import RunConfig
 from stem_megatron.host_tables.placement import Tables, build_tables
 from stem_megatron.model.gpt import build_gpt, transformer_config
+from stem_megatron.run_plan import micro_batches_per_step
 from stem_megatron.training.finite_chain import FiniteChain
-from stem_megatron.training.data_stream import micro_batches_per_step
 from stem_megatron.training.optim import build_optimizer, build_scheduler, wrap_ddp
 from stem_megatron.training.table_optimizer import TableChain, TableOptimizer
 

@@ -12,7 +12,8 @@ import math
 import torch
 
 from stem_megatron.config import RunConfig
-from stem_megatron.training.data_stream import batch_stream, micro_batches_per_step
+from stem_megatron.run_plan import micro_batches_per_step
+from stem_megatron.training.data_stream import batch_stream
 from stem_megatron.training.step import forward_backward
 
 
