@@ -1,9 +1,11 @@
-"""Reproduction study v2 (one command): three arms of Hydra sweeps, each run scored, docs/results.md written.
+"""Reproduction study v2 (one command): arms of Hydra sweeps, each run scored, docs/results.md written.
 
 * main: dense, STEM-1/3, 1/2, full, STEM†, STEM-gate and Hash-MoE-1/3 (``-m variant=... train.seed=...``);
 * ablation: STEM-1/3 with ``stem.table_init=scaled,xavier host_tables.clip=global,separate
   host_tables.optimizer=lazy,dense``;
-* stress: dense, STEM-1/3 and Hash-MoE at ``--stress-lr`` (several times the recipe's peak), counting loss spikes.
+* stress: dense, STEM-1/3 and Hash-MoE at ``--stress-lr`` (several times the recipe's peak), counting loss spikes;
+* lean (only when named, alone or with others): STEM-1/3 and STEM-full with ``table_state=fp32,lean``, the tables'
+  lean optimizer state against fp32 AdamW; its section of the report (``benchmarks/study_lean.py``) is its own.
 
 Every run is a job of ``python -m stem_megatron.train -m hydra/launcher=submitit_local ...`` (the sweep commands
 are in benchmarks/study_arms.py and in the report), on the tiny model (``model=tiny``, one process, one torch
@@ -42,6 +44,7 @@ from submitit.core.utils import JobPaths, pickle_load  # noqa: E402
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from study_arms import VARIANTS, Arm, arms, chunks, sweep_command  # noqa: E402
+from study_lean import write_lean  # noqa: E402
 from study_report import write_report  # noqa: E402
 
 from stem_megatron.data.facts import build_facts  # noqa: E402
@@ -157,11 +160,13 @@ def run_arm(arm: Arm, args, env: dict) -> None:
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--arms", nargs="+", default=["main", "ablation", "stress"], choices=["main", "ablation", "stress"])
+    p.add_argument("--arms", nargs="+", default=["main", "ablation", "stress"],
+                   choices=["main", "ablation", "stress", "lean"])
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS), help="main arm")
     p.add_argument("--seeds", nargs="+", type=int, default=[1, 2, 3], help="main arm")
     p.add_argument("--ablation-seeds", nargs="+", type=int, default=[1, 2])
     p.add_argument("--stress-seeds", nargs="+", type=int, default=[1, 2, 3])
+    p.add_argument("--lean-seeds", nargs="+", type=int, default=[1, 2, 3])
     p.add_argument("--steps", type=int, default=600, help="global batches of 16 x 128 tokens per run")
     p.add_argument("--stress-steps", type=int, default=300, help="steps of a stress run")
     p.add_argument("--stress-lr", type=float, default=3e-2, help="peak lr of the stress arm (recipe: 3e-3)")
@@ -202,7 +207,7 @@ def main(argv=None) -> None:
     env = child_env(OMP_NUM_THREADS=str(args.threads), MKL_NUM_THREADS=str(args.threads),
                     PYTHONPATH=str(ROOT), HYDRA_FULL_ERROR="1")
     study_arms = arms(args.variants, args.seeds, args.ablation_seeds, args.stress_seeds, args.steps,
-                      args.stress_steps, args.stress_lr, args.arms)
+                      args.stress_steps, args.stress_lr, args.arms, args.lean_seeds)
     for arm in study_arms:
         run_arm(arm, args, env)
     study = {"arms": {arm.name: {"swept": arm.swept, "fixed": arm.fixed, "steps": arm.steps,
@@ -215,12 +220,19 @@ def main(argv=None) -> None:
              "answers": args.answers, "repeats": args.repeats, "overrides": args.override,
              "stress_lr": args.stress_lr, "wall_s": time.time() - start,
              "command": " ".join(["python", "benchmarks/study.py", *(argv if argv is not None else sys.argv[1:])])}
-    (args.out / "settings.json").write_text(json.dumps(study, indent=1))
-    if "main" not in args.arms:
+    lean = study["arms"].pop("lean", None)  # its own settings and section: the main report's stay as they were
+    if study["arms"]:
+        (args.out / "settings.json").write_text(json.dumps(study, indent=1))
+    if "main" in args.arms:
+        write_report(args.out, args.report, study)
+        print(f"wrote {args.report} ({time.time() - start:.0f} s)", flush=True)
+    elif not lean:
         print("no report: it needs the main arm (its setup and the paper's claims)", flush=True)
-        return
-    write_report(args.out, args.report, study)
-    print(f"wrote {args.report} ({time.time() - start:.0f} s)", flush=True)
+    if lean:
+        lean_study = {**study, "arms": {"lean": lean}, "seeds": args.lean_seeds}
+        (args.out / "lean" / "settings.json").write_text(json.dumps(lean_study, indent=1))
+        write_lean(args.out, args.report, lean_study)
+        print(f"wrote the lean arm's section of {args.report}", flush=True)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""The study's three arms as Hydra sweeps of ``python -m stem_megatron.train -m`` (benchmarks/study.py runs them).
+"""The study's arms as Hydra sweeps of ``python -m stem_megatron.train -m`` (benchmarks/study.py runs them).
 
 An arm is a set of fixed overrides and swept keys; every point of its product is one run, in the directory
 ``<out>/<arm>/<name>/seed<s>``, the name made of the point's non-seed values. Hydra puts each job there
@@ -20,6 +20,10 @@ VARIANTS = {"dense": "dense", "stem_1_3": "STEM-1/3", "stem_1_2": "STEM-1/2", "s
 ABLATION = {"stem.table_init": ["scaled", "xavier"], "host_tables.clip": ["global", "separate"],
             "host_tables.optimizer": ["lazy", "dense"]}  # first value of each: the recipes' default
 STRESS_VARIANTS = ["dense", "stem_1_3", "hash_moe"]
+LEAN_VARIANTS = ["stem_1_3", "stem_full"]
+# recipes/table_state name -> label; the first: the recipes' default, the paper's fp32 AdamW
+TABLE_STATES = {"fp32": "fp32 AdamW", "lean": "lean"}
+GROUPS = ("variant", "table_state")  # swept config groups: a job's directory names their choice
 SEED = "train.seed"
 
 
@@ -43,20 +47,23 @@ class Arm:
         return "-".join(v for k, v in point.items() if k != SEED) + f"/seed{point[SEED]}"
 
     def subdir(self) -> str:
-        """``run_name`` as Hydra resolves it in the job (a variant is a config group: its choice, not a key)."""
-        parts = ["${hydra:runtime.choices.variant}" if k == "variant" else "${" + k + "}"
+        """``run_name`` as Hydra resolves it in the job (a config group's choice, not a key: ``GROUPS``)."""
+        parts = ["${hydra:runtime.choices." + k + "}" if k in GROUPS else "${" + k + "}"
                  for k in self.swept if k != SEED]
         return "-".join(parts) + "/seed${" + SEED + "}"
 
 
 def arms(variants, seeds, ablation_seeds, stress_seeds, steps: int, stress_steps: int, stress_lr: float,
-         which=("main", "ablation", "stress")) -> list[Arm]:
-    seeds, ablation_seeds, stress_seeds = ([str(s) for s in ss] for ss in (seeds, ablation_seeds, stress_seeds))
+         which=("main", "ablation", "stress"), lean_seeds=(1, 2, 3)) -> list[Arm]:
+    seeds, ablation_seeds, stress_seeds, lean_seeds = ([str(s) for s in ss] for ss in
+                                                       (seeds, ablation_seeds, stress_seeds, lean_seeds))
     made = {
         "main": Arm("main", [], {"variant": list(variants), SEED: seeds}, steps=steps),
         "ablation": Arm("ablation", ["variant=stem_1_3"], {**ABLATION, SEED: ablation_seeds}, steps=steps),
         "stress": Arm("stress", [f"train.lr={stress_lr:g}"], {"variant": STRESS_VARIANTS, SEED: stress_seeds},
                       scored=False, steps=stress_steps),
+        "lean": Arm("lean", [], {"variant": LEAN_VARIANTS, "table_state": list(TABLE_STATES), SEED: lean_seeds},
+                    steps=steps),
     }
     return [made[name] for name in which]
 

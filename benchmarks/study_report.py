@@ -44,6 +44,7 @@ WARMUP_STEPS = 5  # first steps (graph warm-up, first prefetches) left out of th
 # ------------------------------------------------------------------------------------------ loading
 
 CONVERSION = "<!-- conversion-study: begin -->"  # the section benchmarks/conversion_study.py writes, kept
+LEAN = "<!-- lean-study: begin -->", "<!-- lean-study: end -->"  # the lean arm's section (study_lean.py), kept
 
 def load_run(run_dir: Path) -> dict:
     """A run's scores (eval.json, if scored), status (study.json) and curves (metrics.jsonl)."""
@@ -560,8 +561,9 @@ def write_report(out: Path, report: Path, study: dict) -> dict:
     figures = report.parent / "results"
     paths = {**plot(runs, table, figures), **plot_arms(ablation, stress, figures)}
     report.parent.mkdir(parents=True, exist_ok=True)
-    kept = report.read_text() if report.is_file() else ""  # the conversion study's section (conversion_study.py)
-    kept = kept[kept.index(CONVERSION):] if CONVERSION in kept else ""
+    kept = report.read_text() if report.is_file() else ""  # the sections written on their own, appended after it
+    starts = [kept.index(marker) for marker in (CONVERSION, LEAN[0]) if marker in kept]
+    kept = kept[min(starts):] if starts else ""
     report.write_text(markdown(table, runs, study, paths, report, ablation, stress) + ("\n" + kept if kept else ""))
     (out / "results.json").write_text(json.dumps({"study": study, "table": table}, indent=1))
     return table

@@ -4,6 +4,7 @@ the facts need words that it keeps as single tokens."""
 
 import json
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -128,9 +129,15 @@ def test_each_arm_is_a_hydra_sweep_cut_into_products_of_jobs_size():
             sweep_command(arm, c, "/out", [])  # asserts the points form a product
     assert [[main.run_name(p) for p in c] for c in chunks(main.points(), 2)[:2]] == \
         [["dense/seed1", "dense/seed2"], ["dense/seed3", "stem_1_3/seed3"]]  # seeds of a setting together
+    lean, = arms([], [], [], [], steps=600, stress_steps=300, stress_lr=3e-2, which=["lean"], lean_seeds=[1, 2])
+    le = sweep_command(lean, lean.points(), "/out/lean", [])
+    assert le[-3:] == ["variant=stem_1_3,stem_full", "table_state=fp32,lean", "train.seed=1,2"]
+    assert "hydra.sweep.subdir=${hydra:runtime.choices.variant}-${hydra:runtime.choices.table_state}" \
+        "/seed${train.seed}" in le and "train.steps=600" in le  # the main arm's steps, tokens and lr
+    assert lean.run_name(lean.points()[-1]) == "stem_full-lean/seed2"
 
 
-def _fake_run(run_dir, variant, seed, final, spikes=(), status="finished", ratio="1/3", steps=40):
+def _fake_run(run_dir, variant, seed, final, spikes=(), status="finished", ratio="1/3", steps=40, host_tables=None):
     import dataclasses
 
     from stem_megatron.config import RunConfig, STEMConfig, TrainConfig
@@ -139,7 +146,9 @@ def _fake_run(run_dir, variant, seed, final, spikes=(), status="finished", ratio
     stem = "stem" if variant.startswith("stem") else variant
     cfg = RunConfig(stem=STEMConfig(variant=stem, ratio="0" if stem == "dense" else ratio),
                     train=TrainConfig(steps=steps, seed=seed, lr=3e-3))  # recipes/train.yaml's peak
-    (run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(cfg)))
+    config = dataclasses.asdict(cfg)
+    config["host_tables"].update(host_tables or {})
+    (run_dir / "config.json").write_text(json.dumps(config))
     records = [{"step": s, "loss": 8.0 - s * 0.05 + (3.0 if s in spikes else 0.0), "step_time_s": 0.5,
                 "tokens": s * 1024, "loss_spike": s in spikes} | ({"valid_loss": final} if s == steps else {})
                for s in range(1, steps + 1)]
@@ -153,12 +162,28 @@ def _fake_run(run_dir, variant, seed, final, spikes=(), status="finished", ratio
                                                     if status == "diverged" else None, "machine_s": 30.0}))
 
 
+def _fake_lean_runs(out, lean, gap):
+    """The lean arm's runs: final validation loss 4.5 (STEM-1/3) or 4.4 (STEM-full) + seed / 100, the lean runs
+    ``gap[variant](seed)`` from their fp32 partners."""
+    for p in lean.points():
+        variant, seed, state = p["variant"], int(p["train.seed"]), p["table_state"]
+        final = {"stem_1_3": 4.5, "stem_full": 4.4}[variant] + seed / 100 + (gap[variant](seed) if state == "lean"
+                                                                              else 0.0)
+        run_dir = out / "lean" / lean.run_name(p)
+        if run_dir.exists():
+            shutil.rmtree(run_dir)
+        _fake_run(run_dir, variant, seed, final, ratio="full" if variant == "stem_full" else "1/3",
+                  host_tables={"state_dtype": "bf16"} if state == "lean" else None)
+
+
 def test_report_tables_from_fabricated_runs(tmp_path):
     from conversion_study import write_section
     from study_arms import ABLATION, arms
+    from study_lean import write_lean
     from study_report import write_report
 
-    main, ablation, stress = arms(["dense", "stem_1_3", "hash_moe"], [1, 2], [1, 2], [1, 2], 40, 40, 1.5e-2)
+    main, ablation, stress, lean = arms(["dense", "stem_1_3", "hash_moe"], [1, 2], [1, 2], [1, 2], 40, 40, 1.5e-2,
+                                        ["main", "ablation", "stress", "lean"], [1, 2])
     out = tmp_path / "study"
     for p in main.points():
         _fake_run(out / "main" / main.run_name(p), p["variant"], int(p["train.seed"]),
@@ -182,10 +207,28 @@ def test_report_tables_from_fabricated_runs(tmp_path):
     report.parent.mkdir()
     report.write_text("an earlier report\n")
     conversion = "<!-- conversion-study: begin -->\n## Dense to STEM conversion\n<!-- conversion-study: end -->"
-    write_section(report, conversion)  # benchmarks/conversion_study.py's section, which the main report keeps
-    write_report(out, report, study)
+    _fake_lean_runs(out, lean, {"stem_1_3": lambda seed: 0.004, "stem_full": lambda seed: 0.03 if seed == 2 else -0.02})
+    lean_study = {**study, "arms": {"lean": {"swept": lean.swept, "steps": 40, "command": "python -m ... lean",
+                                             "runs": [lean.run_name(p) for p in lean.points()]}},
+                  "command": "python benchmarks/study.py --arms lean"}
+    section = write_lean(out, report, lean_study)  # the lean arm alone, before the main report: appended
+    write_section(report, conversion)  # benchmarks/conversion_study.py's section, after it
+    write_report(out, report, study)  # keeps both
     text = report.read_text()
-    assert "an earlier report" not in text and text.endswith("\n" + conversion + "\n")
+    assert "an earlier report" not in text and text.endswith("\n" + section + "\n\n" + conversion + "\n")
+    assert "| STEM-1/3 | fp32 AdamW | 4.5150 [4.5100, 4.5200] |" in section
+    assert "| STEM-full | lean | 4.4200 [4.3900, 4.4500] |" in section
+    assert "(recipes/table_state/lean.yaml: `host_tables.state_dtype=bf16`)" in section
+    assert ("- STEM-1/3: lean − fp32 seed 1 +0.0040, seed 2 +0.0040 (mean +0.0040): **higher in every pair** by "
+            "0.0040 [0.0040, 0.0040] (by chance: 2/2^2 = 50.0%); within fp32's seed spread (0.0100).") in section
+    assert ("- STEM-full: lean − fp32 seed 1 -0.0200, seed 2 +0.0300 (mean +0.0050): **no consistent difference** "
+            "(lower in 1 and higher in 1 of 2 pairs); beyond fp32's seed spread (0.0100).") in section
+    assert "The arm's sweep: `python -m ... lean`" in section
+    _fake_lean_runs(out, lean, {"stem_1_3": lambda seed: -0.02, "stem_full": lambda seed: 0.0})  # the arm reruns
+    again = write_lean(out, report, lean_study)
+    assert "STEM-1/3: lean − fp32 seed 1 -0.0200, seed 2 -0.0200 (mean -0.0200): **lower in every pair**" in again
+    assert report.read_text() == text.replace(section, again)  # replaced in place, the rest as it was
+    text = text.replace(section, again)
     write_section(report, conversion.replace("conversion\n", "conversion, again\n"))  # replaced in place
     assert report.read_text() == text.replace("conversion\n", "conversion, again\n")
     assert "## How to run" in text and "- ablation: `python -m ... ablation`" in text
