@@ -57,6 +57,7 @@ RUNS = {
     "benchmarks/update_order.py": [("tests/test_step_benchmarks.py",
                                     "test_update_order_reports_both_optimizers_in_both_orders_and_the_working_set",
                                     "update_order.py")],
+    "benchmarks/lean_update.py": [("tests/test_lean_adam.py", "test_benchmark_at_its_smallest", "import lean_update")],
     "benchmarks/gpu_step.py": [("tests/test_gpu_step.py", "test_benchmark_records_every_variant_on_the_cpu",
                                 '"gpu_step.py"')],
     "benchmarks/knowledge_edit.py": [("tests/test_study.py", "test_swapping_subject_rows_moves_the_fact",

@@ -10,12 +10,17 @@ our row-indexed entry point (``csrc/row_adam.cpp``), in place on host rows, and 
 (bitwise the host's values); ``fused``, torch's fused AdamW on a GPU's slots (the rows gathered, updated and put
 back: other arithmetic, equal within fp32 rounding, tests/test_working_set.py states the bound).
 
+Lean state (``row_state.StateSpec``: bf16 moments, a row-wise second moment, a bf16 master; docs/lean_tables.md)
+takes one definition on both back ends: ``csrc/lean_adam.cpp`` for ``rows``, ``lean_adam.update`` (torch, the same
+ops in the same order: bitwise the C++ on CPU) for ``fused``.
+
 The decay of the rows a dense step did not touch beside the next step is the Adam thread's schedule
 (``adam_thread.LaterDecay``, ``adam_thread.MissedUpdate``).
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import itertools
 import json
@@ -27,16 +32,18 @@ from pathlib import Path
 
 import torch
 
-from stem_megatron.host_tables.row_state import RowState
+from stem_megatron.host_tables import lean_adam
+from stem_megatron.host_tables.row_state import RowState, StateSpec
 from stem_megatron.host_tables.transfer import copy_to_device
 
 _ids = itertools.count()  # one kernel state per RowAdam, in the op's own registry
 _SOURCE = Path(__file__).parent / "csrc" / "row_adam.cpp"
 
 
-def _kernel():
-    """DeepSpeed's CPU Adam plus our row-indexed update, built by DeepSpeed's op builder (its flags and
-    SIMD width detection) into ``extensions_root()`` on first use."""
+def _kernel(name: str = "stem_row_adam", source: Path = _SOURCE, flags: tuple[str, ...] = ()):
+    """DeepSpeed's CPU Adam plus our row-indexed update (or ``source``, built as op ``name`` with DeepSpeed's flags
+    and ``flags``), built by DeepSpeed's op builder (its flags and SIMD width detection) into ``extensions_root()``
+    on first use."""
     os.environ["TORCH_EXTENSIONS_DIR"] = str(extensions_root())  # torch's loader, and every process started after
     # torch runs `ninja` from PATH; pip installs it beside the venv's Python, off PATH when a script runs without the
     # venv activated (.venv/bin/python tools/gpu_check.py)
@@ -48,21 +55,28 @@ def _kernel():
     from deepspeed.ops.op_builder import CPUAdamBuilder
 
     class RowAdamBuilder(CPUAdamBuilder):
-        NAME = "stem_row_adam"
+        NAME = name
 
         def absolute_name(self):
             return f"stem_megatron.host_tables.{self.NAME}_op"
 
         def sources(self):
-            return [str(_SOURCE)]  # includes DeepSpeed's csrc/adam/cpu_adam_impl.cpp
+            return [str(source)]  # row_adam.cpp includes DeepSpeed's csrc/adam/cpu_adam_impl.cpp
 
         def include_paths(self):
             return ["csrc/includes", "csrc/adam"]
 
         def cxx_args(self):
-            return cached_cxx_args(extensions_root(), super().cxx_args)
+            return cached_cxx_args(extensions_root(), super().cxx_args) + list(flags)
 
     return RowAdamBuilder().load()
+
+
+@functools.cache
+def lean_kernel():
+    """``csrc/lean_adam.cpp``, the lean row update's definition on CPU: each fp32 op rounded once (no contraction
+    into FMAs), as the torch version in ``lean_adam.py`` computes it."""
+    return _kernel("stem_lean_adam", _SOURCE.with_name("lean_adam.cpp"), ("-ffp-contract=off", "-fno-math-errno"))
 
 
 def extensions_root() -> Path:
@@ -157,6 +171,17 @@ class RowAdam:
                                     True, ids.contiguous(), grads, param, exp_avg, exp_avg_sq,
                                     None if grad_rows is None else grad_rows.contiguous())
 
+    def lean_rows(self, step: int, lr: float, layer: int, ids, tokens, grads, param, exp_avg, exp_avg_sq,
+                  grad_rows=None, seed: int = 0, col0: int = 0) -> None:
+        """Lean AdamW (``csrc/lean_adam.cpp``) in place on rows ``ids`` (sorted, unique) of ``layer``'s tensors in
+        any ``StateSpec``'s dtypes, ``grads`` as ``update_rows``' (None: zero gradients, dense Adam's untouched
+        rows); ``tokens``, each row's token id, and ``col0``, the block's first global column, draw the rounding."""
+        if ids.numel():
+            lean_kernel().lean_adam_rows(
+                lean_adam.scalars(step, lr, (self.beta1, self.beta2), self.eps, self.weight_decay), seed, step, layer,
+                col0, ids.contiguous(), tokens.contiguous(), None if grads is None else grads.contiguous(),
+                None if grad_rows is None else grad_rows.contiguous(), param, exp_avg, exp_avg_sq)
+
     def __del__(self):
         kernel = getattr(self, "kernel", None)
         if kernel is not None:
@@ -169,12 +194,21 @@ EMPTY = torch.empty(0, dtype=torch.int64)
 class RowOptimizer:
     """AdamW (``RowAdam``'s hyperparameters) on rows of a ``RowState`` by the ``kernel`` back end (``rows``:
     DeepSpeed's, ``fused``: torch's, on ``device``); ``dense``: the recipe's dense Adam, where the caller passes the
-    rows without a gradient as ``untouched``."""
+    rows without a gradient as ``untouched``. A lean ``spec`` runs the lean update (``lean_adam``: its C++ kernel for
+    ``rows``, its torch definition for ``fused``), whose rounding draws from ``seed``, the row's token id
+    (``token_ids(rows)``: the state's row indices to token ids; without it they are the ids) and ``col0``, the first
+    global column of the state's block (a TP rank's)."""
 
-    def __init__(self, adam: RowAdam, kernel: str, device: torch.device, dense: bool = False):
+    LEAN_CHUNK = 4096  # rows a fused lean update computes at once: its temporaries (the hash's int64) stay bounded
+
+    def __init__(self, adam: RowAdam, kernel: str, device: torch.device, dense: bool = False,
+                 spec: StateSpec = StateSpec(), seed: int = 0, col0: int = 0,
+                 token_ids: Callable[[torch.Tensor], torch.Tensor] | None = None):
         if kernel not in ("rows", "fused"):
             raise ValueError(f"row optimizer kernel must be 'rows' or 'fused', got {kernel!r}")
         self.adam, self.kernel, self.device, self.dense = adam, kernel, device, dense
+        self.spec, self.seed, self.col0 = spec, seed, col0
+        self.token_ids = token_ids or (lambda rows: rows)
 
     def update(self, step: int, lr: float, state: RowState, layer: int, rows: torch.Tensor, grads: torch.Tensor,
                grad_rows: torch.Tensor | None = None, untouched: torch.Tensor = EMPTY) -> None:
@@ -182,7 +216,10 @@ class RowOptimizer:
         ``grads[grad_rows[i]]`` for ``rows[i]`` (``grads[i]`` without ``grad_rows``: the gradients stay where they
         landed), then on ``untouched`` (sorted) with a zero gradient, without a tensor of those zeros."""
         if self.kernel == "rows":
-            if rows.numel():
+            if self.spec.lean:
+                self.adam.lean_rows(step, lr, layer, rows, self.token_ids(rows), grads, *state.of(layer), grad_rows,
+                                    self.seed, self.col0)
+            elif rows.numel():
                 self.adam.update_rows(step, lr, rows, grads, *state.of(layer), grad_rows=grad_rows)
             self.decay(step, lr, state, layer, untouched)
             return
@@ -193,22 +230,39 @@ class RowOptimizer:
         if untouched.numel():
             at, grads = torch.cat([at, untouched]), torch.cat([grads, grads.new_zeros(untouched.numel(), grads.shape[1])])
         if at.numel():
-            self._fused(step, lr, state, layer, copy_to_device(at, self.device), grads)
+            self._fused(step, lr, state, layer, at, grads)
 
     def decay(self, step: int, lr: float, state: RowState, layer: int, rows: torch.Tensor) -> None:
         """Step ``step`` at ``lr`` on ``layer``'s ``rows`` (sorted) with a zero gradient (dense Adam's untouched rows)."""
         if not rows.numel():
             return
-        if self.kernel == "rows":
+        if self.kernel == "rows" and self.spec.lean:
+            self.adam.lean_rows(step, lr, layer, rows, self.token_ids(rows), None, *state.of(layer), None, self.seed,
+                                self.col0)
+        elif self.kernel == "rows":
             self.adam.update_untouched_rows(step, lr, rows, *state.of(layer))
         else:
             zeros = state.master[layer].new_zeros(rows.numel(), state.master[layer].shape[1])
-            self._fused(step, lr, state, layer, copy_to_device(rows, self.device), zeros)
+            self._fused(step, lr, state, layer, rows, zeros)
 
     def _fused(self, step: int, lr: float, state: RowState, layer: int, at: torch.Tensor, grads: torch.Tensor) -> None:
-        """torch's fused AdamW on ``layer``'s rows ``at`` (on the device): gathered, updated, put back (3x an in-place
-        row kernel's traffic, ~10 ms a step at 1B STEM-1/3 on an H100 by docs/gpu_step_v2.md)."""
+        """torch's fused AdamW (or the lean update) on ``layer``'s rows ``at`` (host indices): gathered on the device,
+        updated, put back (3x an in-place row kernel's traffic, ~10 ms a step at 1B STEM-1/3 on an H100 by
+        docs/gpu_step_v2.md)."""
         tensors = state.of(layer)
+        if self.spec.lean:
+            tokens = copy_to_device(self.token_ids(at), self.device)
+            at = copy_to_device(at, self.device)
+            constants = lean_adam.scalars(step, lr, (self.adam.beta1, self.adam.beta2), self.adam.eps,
+                                          self.adam.weight_decay)
+            for lo in range(0, at.numel(), self.LEAN_CHUNK):
+                rows = at[lo:lo + self.LEAN_CHUNK]
+                new = lean_adam.update(constants, self.seed, step, layer, self.col0, tokens[lo:lo + self.LEAN_CHUNK],
+                                       grads[lo:lo + self.LEAN_CHUNK], *(t.index_select(0, rows) for t in tensors))
+                for tensor, values in zip(tensors, new):
+                    tensor.index_copy_(0, rows, values)
+            return
+        at = copy_to_device(at, self.device)
         p, m, v = (t.index_select(0, at) for t in tensors)
         count = torch.full((), float(step), device=self.device)  # bias correction by the global step
         adam = self.adam

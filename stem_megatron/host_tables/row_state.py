@@ -1,9 +1,9 @@
 """The state of STEM table rows in one layout, and this node's host record of it (docs/host_tables.md).
 
-``RowState``: per STEM layer a row's fp32 ``master`` and both Adam moments, ``[rows, cols]`` tensors, each kind a
-``{layer: tensor}``. Every holder of rows uses it: the host record (the owner's block), the device tier's slots
-(``working_set.WorkingSet``) and the rows staged ahead (``staged_rows.StagedRows``), so the row optimizer takes one
-layout, whoever holds the rows (as FBGEMM's TBE keeps weights and both momenta).
+``RowState``: per STEM layer a row's ``master`` and both Adam moments, ``[rows, cols]`` tensors (fp32, or lean:
+``StateSpec``), each kind a ``{layer: tensor}``. Every holder of rows uses it: the host record (the owner's block),
+the device tier's slots (``working_set.WorkingSet``) and the rows staged ahead (``staged_rows.StagedRows``), so the
+row optimizer takes one layout, whoever holds the rows (as FBGEMM's TBE keeps weights and both momenta).
 
 ``HostRecord``: this node's tables of one pipeline stage, mapped from node-shared files (``node.shared_tensors``,
 TP-major ``[tp, rows, cols]``, so a TP rank's column block is one contiguous ``[rows, cols]`` block): ``read``, the
@@ -28,20 +28,64 @@ from stem_megatron.host_tables.node import NodeLayout, shared_tensors
 from stem_megatron.host_tables.ownership import RowOwnership
 from stem_megatron.model.device_table import table_row_chunks
 
-KINDS = ("master", "exp_avg", "exp_avg_sq")  # a row's state: its fp32 master and both Adam moments
+KINDS = ("master", "exp_avg", "exp_avg_sq")  # a row's state: its master and both Adam moments
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class StateSpec:
+    """How a row's state is stored (docs/lean_tables.md): ``state_dtype``, the moments' (``exp_avg``, and
+    ``exp_avg_sq`` per element); ``second_moment``, ``element`` (one per parameter) or ``row`` (one fp32 per row);
+    ``master_dtype``, ``bf16`` where the read copy is the master, stochastically rounded. All fp32 and ``element``:
+    the paper's AdamW, DeepSpeed's kernel; anything else is lean (``lean_adam``)."""
+
+    state_dtype: str = "fp32"
+    second_moment: str = "element"
+    master_dtype: str = "fp32"
+
+    def __post_init__(self):
+        for name, allowed in (("state_dtype", DTYPES), ("master_dtype", DTYPES), ("second_moment", ("element", "row"))):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"host_tables.{name} must be one of {', '.join(allowed)}, got "
+                                 f"{getattr(self, name)!r}")
+
+    @property
+    def lean(self) -> bool:
+        return self != StateSpec()
+
+    def dtype(self, kind: str) -> torch.dtype:
+        if kind == "master":
+            return DTYPES[self.master_dtype]
+        return torch.float32 if kind == "exp_avg_sq" and self.second_moment == "row" else DTYPES[self.state_dtype]
+
+    def cols(self, kind: str, cols: int) -> int:
+        """Columns of ``kind`` for rows of ``cols`` columns: a row-wise second moment has one."""
+        return 1 if kind == "exp_avg_sq" and self.second_moment == "row" else cols
+
+    def stored_bytes(self, cols: int) -> float:
+        """Bytes of host memory per table parameter for the master and both moments (without a separate read copy)."""
+        return sum(self.dtype(kind).itemsize * self.cols(kind, cols) for kind in KINDS) / cols
+
+    def moved_bytes(self, cols: int, gradient: bool = True) -> float:
+        """Bytes of memory traffic per parameter an update moves: each kind read and written, the fp32 gradient read
+        (``gradient``; dense Adam's untouched rows have none)."""
+        return 2 * self.stored_bytes(cols) + (4 if gradient else 0)
 
 
 @dataclass
 class RowState:
-    """Per STEM layer, ``[rows, cols]`` fp32 tensors of each kind of a row's state."""
+    """Per STEM layer, ``[rows, cols]`` tensors of each kind of a row's state (``StateSpec``'s dtypes; a row-wise
+    ``exp_avg_sq`` is ``[rows, 1]``)."""
 
     master: dict[int, torch.Tensor]
     exp_avg: dict[int, torch.Tensor]
     exp_avg_sq: dict[int, torch.Tensor]
 
     @classmethod
-    def zeros(cls, layers: list[int], rows: int, cols: int, device: torch.device) -> RowState:
-        return cls(*({layer: torch.zeros(rows, cols, device=device) for layer in layers} for _ in KINDS))
+    def zeros(cls, layers: list[int], rows: int, cols: int, device: torch.device,
+              spec: StateSpec = StateSpec()) -> RowState:
+        return cls(*({layer: torch.zeros(rows, spec.cols(kind, cols), dtype=spec.dtype(kind), device=device)
+                      for layer in layers} for kind in KINDS))
 
     def kind(self, name: str) -> dict[int, torch.Tensor]:
         return getattr(self, name)
