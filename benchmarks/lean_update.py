@@ -13,7 +13,8 @@ as µs per row (medians over rounds), fp32's time over the setting's (the median
 bytes an update moves per parameter (each kind read and written, the fp32 gradient read: ``StateSpec.moved_bytes``)
 and that traffic in GB/s against a memcpy's (read + write) timed in each round.
 
-Run: ``.venv/bin/python benchmarks/lean_update.py [--tokens 32768] [--cols 8192] [--rows 16384] [--repeats 7]``
+Run: ``.venv/bin/python benchmarks/lean_update.py [--tokens 32768] [--cols 8192] [--rows 16384] [--repeats 7]
+[--threads N] [--cpu-time]``
 (about a minute on 2 CPU cores; host memory 36 B x rows x cols for the five tables, 4.8 GB by default).
 """
 
@@ -53,10 +54,10 @@ def table_rows(p: np.ndarray, tokens: int, rows: int, seed: int = 0) -> torch.Te
     return torch.from_numpy(np.unique(ids * rows // len(p)))
 
 
-def timed(fn) -> float:
-    start = time.perf_counter()
+def timed(fn, clock=time.perf_counter) -> float:
+    start = clock()
     fn()
-    return time.perf_counter() - start
+    return clock() - start
 
 
 def filled(spec: StateSpec, rows: int, cols: int) -> RowState:
@@ -68,19 +69,19 @@ def filled(spec: StateSpec, rows: int, cols: int) -> RowState:
 
 
 def one_round(adam: RowAdam, spec: StateSpec, state: RowState, ids: torch.Tensor, rest: torch.Tensor,
-              grads: torch.Tensor, step: int) -> tuple[float, float]:
+              grads: torch.Tensor, step: int, clock) -> tuple[float, float]:
     """(lazy seconds, dense seconds) of one setting."""
     lazy, dense = (RowOptimizer(adam, "rows", CPU, dense=d, spec=spec) for d in (False, True))
-    lazy_s = timed(lambda: lazy.update(step, 1e-3, state, 1, ids, grads))
-    dense_s = timed(lambda: dense.update(step + 1, 1e-3, state, 1, ids, grads, untouched=rest))
+    lazy_s = timed(lambda: lazy.update(step, 1e-3, state, 1, ids, grads), clock)
+    dense_s = timed(lambda: dense.update(step + 1, 1e-3, state, 1, ids, grads, untouched=rest), clock)
     return lazy_s, dense_s
 
 
-def memcpy_rate(nbytes: int = 1 << 29) -> float:
+def memcpy_rate(clock, nbytes: int = 1 << 29) -> float:
     """GB/s of a memcpy (bytes read + written), median of 5."""
     src, dst = torch.ones(nbytes, dtype=torch.uint8), torch.empty(nbytes, dtype=torch.uint8)
     dst.copy_(src)
-    return 2 * nbytes / statistics.median(timed(lambda: dst.copy_(src)) for _ in range(5)) / 1e9
+    return 2 * nbytes / statistics.median(timed(lambda: dst.copy_(src), clock) for _ in range(5)) / 1e9
 
 
 def main(argv=None) -> None:
@@ -90,7 +91,13 @@ def main(argv=None) -> None:
     parser.add_argument("--cols", type=int, default=8192, help="columns of U_l per rank (d_ff / TP)")
     parser.add_argument("--rows", type=int, default=16384, help="rows of the table")
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--threads", type=int, help="OpenMP threads of the kernels (default: torch's)")
+    parser.add_argument("--cpu-time", action="store_true", help="time by this thread's CPU time: with --threads 1, "
+                        "the kernels' own time, without the waits of a machine other jobs share")
     args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    clock = time.thread_time if args.cpu_time else time.perf_counter
     counts = load_counts(args.counts)
     ids = table_rows(counts / counts.sum(), args.tokens, args.rows)
     grads = torch.randn(ids.numel(), args.cols, generator=torch.Generator().manual_seed(0)) * 1e-3
@@ -100,9 +107,9 @@ def main(argv=None) -> None:
     times = {name: ([], []) for name in SETTINGS}
     copies = []
     for r in range(-1, args.repeats):  # rounds (the first a warm-up): the machine's noise falls on every setting
-        copies.append(memcpy_rate())
+        copies.append(memcpy_rate(clock))
         for name, spec in SETTINGS.items():
-            lazy_s, dense_s = one_round(adam, spec, states[name], ids, rest, grads, 3 + 2 * r)
+            lazy_s, dense_s = one_round(adam, spec, states[name], ids, rest, grads, 3 + 2 * r, clock)
             if r < 0:
                 continue
             times[name][0].append(lazy_s)
@@ -110,7 +117,7 @@ def main(argv=None) -> None:
     memcpy = statistics.median(copies)
     print(f"Row update at {args.cols:,} columns: {ids.numel():,} touched rows ({args.tokens:,} tokens from "
           f"{args.counts.name}) of a {args.rows:,}-row table, {torch.get_num_threads()} OpenMP threads; medians of "
-          f"{args.repeats} rounds; memcpy {memcpy:.1f} GB/s (read + write)")
+          f"{args.repeats} rounds{', CPU time' if args.cpu_time else ''}; memcpy {memcpy:.1f} GB/s (read + write)")
     print(f"{'setting':27} {'stored B':>8} | {'lazy µs/row':>11} {'x fp32':>6} {'B moved':>7} {'GB/s':>5} "
           f"{'memcpy':>6} | {'dense µs/row':>12} {'x fp32':>6} {'B moved':>7} {'GB/s':>5} {'memcpy':>6}")
     fp32 = times["fp32 (today)"]

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from stem_megatron.host_tables import lean_adam
+from stem_megatron.host_tables import lean_adam, row_optimizer
 from stem_megatron.host_tables.row_optimizer import RowAdam, RowOptimizer, lean_kernel
 from stem_megatron.host_tables.row_state import RowState, StateSpec
 
@@ -65,9 +65,9 @@ def test_hash_equal_in_cpp_torch_and_plain_python():
 @pytest.mark.parametrize("spec", LEAN, ids=lambda s: f"{s.state_dtype}-{s.second_moment}-{s.master_dtype}")
 def test_kernel_equals_torch_definition_bitwise(adam, spec):
     """Three steps of dense Adam (touched rows with gradients in their own order, the rest decayed), a TP block's
-    col0 and token ids that are not the positions: the C++ kernel and the torch definition give the same bits. 100
-    columns: the row sum's fold has odd levels and the vector loops tails."""
-    rows, cols = 40, 100
+    col0 and token ids that are not the positions: the C++ kernel and the torch definition give the same bits. 300
+    columns: the row sum's fold has odd levels, the kernel's column blocks (128) and vector loops tails."""
+    rows, cols = 40, 300
     ids = torch.tensor([1, 2, 3, 7, 20, 39])
     untouched = torch.tensor([i for i in range(rows) if i not in ids.tolist()])
     order = torch.tensor([3, 0, 5, 1, 4, 2])  # the gradient of ids[i] is grads[order[i]]
@@ -205,6 +205,17 @@ def test_bad_settings_and_tensors_say_what_is_wrong(adam):
     with pytest.raises(ValueError, match="row-wise exp_avg_sq must be float32 .* blocks dividing the columns"):
         RowOptimizer(adam, "rows", CPU, spec=StateSpec("bf16", "row", "bf16")).update(
             1, 1e-3, s, 1, torch.tensor([0]), torch.zeros(1, 64))
+
+
+def test_a_copy_of_the_tree_builds_its_ops_apart(monkeypatch, tmp_path):
+    """A copy of the tree run with this venv (an old commit's, to compare) builds in a directory of its own: ninja's
+    command names the source's path, so a shared directory would be rebuilt by the checkout and the copy in turn."""
+    from deepspeed.ops.op_builder import CPUAdamBuilder
+
+    monkeypatch.setattr(CPUAdamBuilder, "load", lambda self: self.name)  # the build directory's name, no build
+    here = row_optimizer._kernel()
+    assert row_optimizer._kernel() == here and here.startswith("stem_row_adam_")
+    assert row_optimizer._kernel(source=tmp_path / "csrc" / "row_adam.cpp") != here
 
 
 def test_benchmark_at_its_smallest(capsys):

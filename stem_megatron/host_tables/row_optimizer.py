@@ -40,10 +40,18 @@ _ids = itertools.count()  # one kernel state per RowAdam, in the op's own regist
 _SOURCE = Path(__file__).parent / "csrc" / "row_adam.cpp"
 
 
+def op_name(name: str, source: Path) -> str:
+    """``name`` with a digest of ``source``'s directory: the op's build directory under ``extensions_root()``. ninja
+    rebuilds when the compile command changes, and the command names the source's path: a copy of the tree run with
+    the same venv (an old commit's, to compare) would otherwise take over the one build directory, and the checkout
+    and the copy would rebuild in turn (~27 s each)."""
+    return f"{name}_{hashlib.sha256(str(source.resolve().parent).encode()).hexdigest()[:8]}"
+
+
 def _kernel(name: str = "stem_row_adam", source: Path = _SOURCE, flags: tuple[str, ...] = ()):
     """DeepSpeed's CPU Adam plus our row-indexed update (or ``source``, built as op ``name`` with DeepSpeed's flags
     and ``flags``), built by DeepSpeed's op builder (its flags and SIMD width detection) into ``extensions_root()``
-    on first use."""
+    on first use, one build per checkout (``op_name``)."""
     os.environ["TORCH_EXTENSIONS_DIR"] = str(extensions_root())  # torch's loader, and every process started after
     # torch runs `ninja` from PATH; pip installs it beside the venv's Python, off PATH when a script runs without the
     # venv activated (.venv/bin/python tools/gpu_check.py)
@@ -55,7 +63,7 @@ def _kernel(name: str = "stem_row_adam", source: Path = _SOURCE, flags: tuple[st
     from deepspeed.ops.op_builder import CPUAdamBuilder
 
     class RowAdamBuilder(CPUAdamBuilder):
-        NAME = name
+        NAME = op_name(name, source)
 
         def absolute_name(self):
             return f"stem_megatron.host_tables.{self.NAME}_op"
@@ -81,9 +89,9 @@ def lean_kernel():
 
 def extensions_root() -> Path:
     """Where the op is built and found: ``TORCH_EXTENSIONS_DIR`` when set, else the venv's own ``torch_extensions``
-    (one build per venv, which `make setup` made). torch's default, ``~/.cache/torch_extensions``, is shared by every
-    venv of the user, so a script run directly from another venv (or a node whose home is elsewhere) would rebuild
-    the op there: about a minute of a GPU node's 16 cores."""
+    (one build per venv and checkout, which `make setup` made). torch's default, ``~/.cache/torch_extensions``, is
+    shared by every venv of the user, so a script run directly from another venv (or a node whose home is elsewhere)
+    would rebuild the op there: about a minute of a GPU node's 16 cores."""
     return Path(os.environ.get("TORCH_EXTENSIONS_DIR") or Path(sys.prefix) / "torch_extensions")
 
 
