@@ -418,12 +418,10 @@ def _two_prefetchers(steps: int):
     """Two prefetchers on one store at once (training's and validation's), fetching through stand-in copies that
     run late; the rows, inverse indices and in-step positions every batch delivered, against the host's."""
     from stem_megatron.host_tables.store import HostTableStore, StoreConfig
-    from stem_megatron.host_tables.transfer import HostToDevice
 
     layers, tokens = [1, 2, 3, 4, 5], (2, 24)
     store = HostTableStore(StoreConfig(tuple(layers), vocab_size=V, d_ff=32, init_std=1.0, seed=0,
-                                       micro_batch_tokens=48, micro_batches=2))
-    store.tier.h2d = HostToDevice(torch.device("cpu"), slot_bytes=0, copies=LateCopies(seed=1))
+                                       micro_batch_tokens=48, micro_batches=2), copies=LateCopies(seed=1))
 
     def batches(seed):
         g = torch.Generator().manual_seed(seed)
@@ -606,7 +604,7 @@ def test_indices_made_on_the_host_reach_the_device_from_pinned_memory(monkeypatc
     leaving slots) through a stand-in CUDA; on the CPU the tensor itself, with nothing pinned."""
     from types import SimpleNamespace
 
-    from stem_megatron.host_tables.step_rows import StepRows
+    from stem_megatron.host_tables.device_tier import OwnerTier
     from stem_megatron.host_tables.exchange import Route
     from stem_megatron.host_tables.row_optimizer import RowOptimizer
     from stem_megatron.host_tables.transfer import copy_to_device
@@ -616,10 +614,9 @@ def test_indices_made_on_the_host_reach_the_device_from_pinned_memory(monkeypatc
     assert copy_to_device(ids, torch.device("cpu")) is ids  # before the stand-in: CPU torch cannot pin
     copies = _device_copies(monkeypatch)
     Route(None, ids, ids, [], [], ids, ids, torch.float32, ids, ids).on(gpu)
-    resident = SimpleNamespace(layers=[0], slot_of=torch.arange(8), device=gpu, cols=2,
-                               rows=lambda layer, at: torch.ones(4, 2))
-    StepRows(SimpleNamespace(from_owners=lambda routes, rows: rows), resident, torch.ones(8, dtype=torch.bool)).receive(
-        [], ids)
+    resident = SimpleNamespace(slot_of=torch.arange(8), device=gpu, cols=2, rows=lambda layer, at: torch.ones(4, 2))
+    OwnerTier._receive(SimpleNamespace(layers=[0], ws=resident, exchange=SimpleNamespace(
+        from_owners=lambda routes, rows: rows), stats=OwnerTier.new_stats()), [], ids)
     fused = RowOptimizer(None, "fused", gpu, dense=True)  # its AdamW a stand-in below
     monkeypatch.setattr(fused, "_fused", lambda step, lr, state, layer, at, grads: None)
     state = SimpleNamespace(master={0: torch.zeros(8, 2)})

@@ -188,14 +188,15 @@ def _rows_held(resident_rows: int):
 
     trainer = setup_model(_cfg(1, 1, "host", optimizer="lazy", steps=2, resident_rows=resident_rows))
     store, watched, alive_at_register = trainer.tables, [], []
-    track = store.grads.track
+    rows_of = store.rows
 
-    def watching(layer, in_step, rows):
+    def watching(layer, prefetched):
+        leaf = rows_of(layer, prefetched)
         alive_at_register.append(sum(ref() is not None for ref in watched))
-        watched.append(weakref.ref(rows))
-        track(layer, in_step, rows)
+        watched.append(weakref.ref(leaf))
+        return leaf
 
-    store.grads.track = watching
+    store.rows = watching
     n_micro = GLOBAL // MICRO
     tokens = [b["tokens"] for b in _data(0, 1, steps=2)]
     peaks = []

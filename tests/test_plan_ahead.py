@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from stem_megatron.host_tables.pipeline import RowPipeline
+from stem_megatron.host_tables.pipeline import PlannedPipeline
 
 
 class _Tier:
@@ -18,21 +18,17 @@ class _Tier:
     def __init__(self):
         self.steps: list[torch.Tensor] = []  # the ids of each step planned ahead
 
-    def begin_planning_ahead(self) -> bool:
-        return True
+    def begin_planning_ahead(self) -> None:
+        pass
 
-    def plan_ahead(self, ids: torch.Tensor) -> torch.Tensor:
+    def plan_ahead(self, ids: torch.Tensor) -> None:
         self.steps.append(ids)
-        return ids
 
     def preload(self, ids: torch.Tensor) -> None:
         pass
 
     def fetch(self, tokens, ids, training):
         return SimpleNamespace(fetched=SimpleNamespace(stats={}))
-
-    def admit(self, ids: torch.Tensor) -> None:
-        pass
 
     def planned(self, ids: torch.Tensor) -> None:
         return None
@@ -41,10 +37,11 @@ class _Tier:
         self.ended = True
 
 
-def _pipeline(tier: _Tier) -> RowPipeline:
-    """A training pipeline over ``tier`` with stand-ins for the row gradients' begin and the Adam thread, no tables."""
-    return RowPipeline(tier, SimpleNamespace(begin=lambda ids, micro_batches, plan: None),
-                       SimpleNamespace(settle=lambda: None), {}, lambda ids: None, torch.device("cpu"), 64)
+def _pipeline(tier: _Tier) -> PlannedPipeline:
+    """A planning pipeline over ``tier`` with stand-ins for the row gradients' begin, the Adam thread and the step's
+    admission, no tables."""
+    return PlannedPipeline(tier, SimpleNamespace(begin=lambda ids, micro_batches, plan: None),
+                           SimpleNamespace(settle=lambda: None), {}, lambda ids: None, torch.device("cpu"), 64)
 
 
 def _steps(n: int):

@@ -40,13 +40,14 @@ def _one_step(cfg, weights, boost):
                 p.copy_(weights[name])
             else:
                 weights[name] = p.detach().clone()
-    track = trainer.tables.grads.track
+    rows_of = trainer.tables.rows
 
-    def boosted(layer, in_step, rows):
-        rows.register_hook(lambda grad: grad * boost)  # before the gradient accumulates into the leaf
-        track(layer, in_step, rows)
+    def boosted(layer, prefetched):
+        leaf = rows_of(layer, prefetched)
+        leaf.register_hook(lambda grad: grad * boost)  # before the gradient accumulates into the leaf
+        return leaf
 
-    trainer.tables.grads.track = boosted
+    trainer.tables.rows = boosted
     dense, rows = [], []
     optimizer, adam = trainer.optimizer, trainer.tables.optimizer.adam
     step_with_ready_grads, update_rows = optimizer.step_with_ready_grads, adam.update_rows

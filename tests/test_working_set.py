@@ -48,6 +48,7 @@ def _train(tp, pp, optimizer, read_dtype, resident_rows):
     """``STEPS`` steps; after steps 3 and 6 the whole tables are read (as a checkpoint or an export reads them) and
     a validation pass runs on the same store. Returns losses, grad norms, validation losses, the tables and moments,
     and the working set's counters. With a dense working set the decay beside the step is slowed (``_slow_decay``)."""
+    from megatron.core import parallel_state
     from stem_megatron.training.setup import setup_model
     from stem_megatron.training.step import forward_backward, train_step
 
@@ -61,7 +62,7 @@ def _train(tp, pp, optimizer, read_dtype, resident_rows):
     torch.manual_seed(0)
     trainer = setup_model(cfg)
     store = trainer.tables
-    n_micro = GLOBAL // (MICRO * torch.distributed.get_world_size(store.grads.dp_group))
+    n_micro = GLOBAL // (MICRO * parallel_state.get_data_parallel_world_size())
     out = {"loss": [], "grad_norm": [], "valid": [], "tables_mid": [], "entered": 0, "ahead": 0, "staged": 0,
            "left": 0, "asked": 0}
     with store.stream(_data(STEPS), n_micro) as data:
@@ -106,7 +107,7 @@ CASES = {  # (tp, pp, dp, optimizer, read_dtype, resident_rows): rows enter and 
 @pytest.mark.parametrize("case", CASES)
 def test_working_set_trains_bitwise_like_the_host_step(case):
     """At DP = 2 each rank's set holds the rows it owns and every rank reads its step's rows from their owners
-    (``step_rows.StepRows``), loading its rows of a step as its prefetch thread plans it: still bitwise the host
+    (``device_tier.OwnerTier``), loading its rows of a step as its prefetch thread plans it: still bitwise the host
     step, whose owners update on the host and pull. With dense Adam the rows loaded ahead are those whose host decay
     of the step before was asked for first, while that decay ran a row at a time."""
     tp, pp, dp, optimizer, read_dtype, resident_rows = CASES[case]

@@ -11,15 +11,17 @@ s+1 reflect step s exactly as in the serial order.
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
+import torch.distributed as dist
 
 from stem_megatron.host_tables.exchange import RowExchange
 from stem_megatron.host_tables.hot_rows import HotRowCache
 from stem_megatron.host_tables.row_optimizer import RowOptimizer
 from stem_megatron.host_tables.row_state import HostRecord
-from stem_megatron.host_tables.transfer import HostToDevice, PrefetchedRows, fetch_rows, landed, travel_dtype
+from stem_megatron.host_tables.transfer import (DeviceToHost, HostToDevice, PrefetchedRows, fetch_rows, landed,
+                                                travel_dtype)
 
 Grads = dict  # layer -> (ids this rank updates, their gradients, the event ending their copy to the host)
 
@@ -29,28 +31,21 @@ class HostTier:
     ``optimizer`` on the Adam thread (``updates``)."""
 
     def __init__(self, record: HostRecord, exchange: RowExchange, optimizer: RowOptimizer, updates, counters: dict,
-                 h2d: HostToDevice, cache: HotRowCache):
-        """``updates``: the Adam thread (``adam_thread.RowUpdates``); ``counters``: the store's step counters."""
+                 h2d: HostToDevice, cache: HotRowCache, landing_rows: int = 0):
+        """``updates``: the Adam thread (``adam_thread.RowUpdates``); ``counters``: the store's step counters;
+        ``landing_rows``: the most rows this rank updates in a step (``transfer.landing_rows``), whose pinned landing
+        buffers for their gradients are reserved here (GPU)."""
         self.record, self.exchange, self.optimizer, self.updates = record, exchange, optimizer, updates
         self.counters, self.h2d, self.cache = counters, h2d, cache
         self.layers, self.cols = record.layers, record.cols
         self.parts = []  # parts with counters of their own
         self.row_bytes = row_bytes(record, h2d)
+        self._d2h = DeviceToHost(optimizer.device)
+        for layer in self.layers:
+            self._d2h.reserve(layer, landing_rows * self.cols * 4)
         self._aside: dict = {}  # layer -> the later part's gradients, out of the landing buffer (``_set_aside``)
 
     # ---- the prefetch thread ----
-    def begin_planning_ahead(self) -> bool:
-        return False  # the training thread plans each step as it begins
-
-    def end_planning_ahead(self) -> None:
-        pass
-
-    def plan_ahead(self, ids: torch.Tensor) -> torch.Tensor:
-        return ids
-
-    def preload(self, ids: torch.Tensor) -> None:
-        """Nothing: rows are fetched whole for each micro-batch."""
-
     def fetch(self, tokens: torch.Tensor, step_ids: torch.Tensor | None, training: bool = True) -> PrefetchedRows:
         """Rows ``U_l[unique ids, my columns]`` of every layer for ``tokens``, from the node's copy (made current for
         them before the prefetch thread was released), on their way to the device."""
@@ -65,8 +60,15 @@ class HostTier:
         planned now (``RowExchange.plan``: a collective over the exchange groups' gloo twins)."""
         return self.exchange.plan(ids)
 
+    def land(self, layer: int, grads: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.cuda.Event]]:
+        """A layer's gradients at their owners (on the device) on their way to the host, where CPU Adam updates the
+        rows: pinned buffers on a side stream; the update is done with them before the next step's land."""
+        self.counters["bytes_from_device"] += grads.numel() * grads.element_size()
+        return self._d2h.copy(grads, layer)
+
     def admit(self, ids: torch.Tensor) -> None:
-        """Nothing beyond the refresh: the node's copy is where rows are read."""
+        """A step's rows current in the node's copy, where this tier reads them (``make_current``)."""
+        make_current(self, ids)
 
     def update(self, step: int, lr: float, grads: Grads, next_ids: torch.Tensor) -> Callable[[], None]:
         """CPU Adam on the rows this rank owns, those any rank of the DP group reads next first (waited for), then the
@@ -168,3 +170,18 @@ def fetch_from_copy(record: HostRecord, tokens: torch.Tensor, step_ids: torch.Te
         unique_tokens=uniq, rows_fetched=misses * layers, bytes_to_device=misses * row_bytes * layers,
         cache_hits=uniq - misses, cache_lookups=uniq if cache.ids.numel() else 0)
     return prefetched
+
+
+def settle_node(tier) -> None:
+    """``tier``'s updates in the host record (``settle``), then on this rank's DP peers on the node, which share its
+    copy of this TP block (a collective over them: ``node.local``)."""
+    tier.settle()
+    if tier.record.node.local is not None:
+        dist.barrier(tier.record.node.local)
+
+
+def make_current(tier, ids: torch.Tensor) -> None:
+    """This node's copy of rows ``ids`` made equal to the owners' rows, after ``tier``'s updates are in the host record
+    (``settle_node``). Collective over the world's ranks of this stage's DP group and the node."""
+    settle_node(tier)
+    tier.counters["rows_pulled"] += tier.record.pull(ids, tier.exchange)

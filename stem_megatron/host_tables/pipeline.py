@@ -2,14 +2,14 @@
 (docs/host_tables.md draws a step of each tier as a timeline).
 
 ``RowPipeline``, the schedule's data iterator: its prefetch thread reads a step's micro-batches, checks their ids and
-announces them (``next_ids``); with a working set at DP > 1 it plans the step too (``tier.plan_ahead``, on groups only
-it issues on, once the step before has begun) and loads the rows it owns beside the step before (``tier.preload``).
-The training thread makes the announced rows readable (the step before's end; for the first step, entering the
-pipeline) and ``release``s them; only then are they fetched (``tier.fetch``) as ``batch["stem"]``, so rows read in
-step s+1 reflect step s. A step begins when the schedule takes its first micro-batch and ends in ``step``: the rows
-updated (``tier.update``, its later part on the Adam thread: ``RowUpdates``) and the next step released; or, a step not
-applied, in ``skip``: nothing updated. A worker exception is re-raised in the training thread with the original as its
-cause.
+announces them (``next_ids``). The training thread makes the announced rows readable (the step before's end; for the
+first step, entering the pipeline) and ``release``s them; only then are they fetched (``tier.fetch``) as
+``batch["stem"]``, so rows read in step s+1 reflect step s. A step begins when the schedule takes its first
+micro-batch and ends in ``step``: the rows updated (``tier.update``, its later part on the Adam thread: ``RowUpdates``)
+and the next step released; or, a step not applied, in ``skip``: nothing updated. A worker exception is re-raised in
+the training thread with the original as its cause. With a working set the store runs a pipeline whose prefetch
+thread also loads a step's rows beside the step before, before announcing it (``PreloadPipeline``), and at DP > 1
+plans the step first (``PlannedPipeline``).
 
 Collectives: every one of a step is issued on the training thread (or inside backward, by ``RowGradients``' hooks),
 in one order on every rank; the prefetch thread issues only on the planning groups, the Adam thread none.
@@ -28,7 +28,7 @@ from stem_megatron.data.integrity import check_token_ids
 from stem_megatron.host_tables.adam_thread import RowUpdates
 from stem_megatron.host_tables.node import enter_host_thread, host_threads
 from stem_megatron.host_tables.row_gradients import RowGradients
-from stem_megatron.host_tables.tier import Tier
+from stem_megatron.host_tables.tier import LoadsAhead, PlansAhead, Tier
 from stem_megatron.host_tables.transfer import landed
 
 
@@ -49,12 +49,13 @@ class RowPipeline:
     The store makes its training pipeline once (``HostTableStore.pipeline``), for the tables' optimizer to end each
     step through, and opens it on each training stream; a validation stream is a pipeline of its own."""
 
-    def __init__(self, tier: Tier, grads: RowGradients, updates: RowUpdates, counters: dict, refresh: Callable,
-                 device: torch.device, vocab_size: int, training: bool = True):
+    def __init__(self, tier: Tier, grads: RowGradients, updates: RowUpdates, counters: dict,
+                 admit: Callable[[torch.Tensor], None], device: torch.device, vocab_size: int, training: bool = True):
         """``tier``: where rows are read and updated; ``grads``: the step's row gradients; ``updates``: the Adam
-        thread; ``counters``: the step's counters, added to as the schedule takes each micro-batch; ``refresh``: makes
-        the node's copy of rows current (``HostTableStore.refresh``)."""
-        self.tier, self.grads, self.updates, self.counters, self.refresh = tier, grads, updates, counters, refresh
+        thread; ``counters``: the step's counters, added to as the schedule takes each micro-batch; ``admit``: makes a
+        step's rows readable where this stream reads them (training: ``tier.admit``; validation: the node's copy made
+        current, ``host_tier.make_current``)."""
+        self.tier, self.grads, self.updates, self.counters, self.admit = tier, grads, updates, counters, admit
         self.device, self.vocab_size, self.training = device, vocab_size, training
         self.steps_done = 0  # Adam steps applied: ``step`` counts them, ``resume`` sets a checkpoint's
         self._thread: Optional[threading.Thread] = None  # the open stream's prefetch thread; None: not open
@@ -74,9 +75,6 @@ class RowPipeline:
         self._queue: queue.Queue = queue.Queue(maxsize=depth)
         self._announced: queue.Queue = queue.Queue()  # each step's ids, then _END (or _Failed)
         self._released, self._stop, self._ended = threading.Semaphore(0), threading.Event(), False
-        self._plans = self.training and self.tier.begin_planning_ahead()
-        self._turns = threading.Condition()  # steps the worker may plan (the first, then one per begun step)
-        self._permitted, self._planned, self._taken, self._over = 1, 0, 0, False  # steps: may plan, planned, taken
         self._micro_batches = 0  # taken by the schedule: a step begins at each multiple of ``num_micro_batches``
         self._grads: dict = {}  # layer -> the step's (ids, gradients, copy event) at their owners (``reduce_gradients``)
         self._thread = threading.Thread(target=self._work, args=(data, num_micro_batches, host_threads(self.device)),
@@ -132,17 +130,12 @@ class RowPipeline:
         """The step ends without an update (not finite, or ``train.skip_steps``): every row and moment as it stood, the
         next step's rows made current in the node's copy, admitted where the tier reads them (collective), released."""
         self._grads, ids = {}, self.next_ids()
-        self.refresh(ids)
-        if self.training:
-            self.tier.admit(ids)
+        self.admit(ids)
         self.release()
 
     def _begin(self) -> None:
-        """The announced step begins (its first micro-batch is taken): every rank runs it whole, so the worker may plan
-        the step after it; the routes of its row gradients are the tier's plan of it (``planned``)."""
-        with self._turns:
-            self._permitted += 1
-            self._turns.notify_all()
+        """The announced step begins (its first micro-batch is taken): the routes of its row gradients are the tier's
+        plan of it (``planned``)."""
         ids = self.announced
         self.grads.begin(ids, self.num_micro_batches, self.tier.planned(ids))
 
@@ -165,26 +158,12 @@ class RowPipeline:
         except BaseException as error:  # surfaces in the training thread
             self._announced.put(_Failed(error))
             self._put(_Failed(error))
-        finally:
-            with self._turns:
-                self._over = True
-                self._turns.notify_all()
 
     def _run(self, step: list[dict]) -> bool:
-        """Plan (ahead, where the tier does) and announce a step's ids, preload its rows, wait for its release, fetch
-        its rows; False once stopped."""
+        """Announce a step's ids, wait for its release, fetch its rows; False once stopped."""
         ids = torch.unique(torch.cat([batch["tokens"].flatten() for batch in step]))
-        rows = ids
-        if self._plans:
-            if not self._my_turn():
-                return False
-            rows = self.tier.plan_ahead(ids)  # the rows this rank updates in the step
-            with self._turns:
-                self._planned += 1
-                self._turns.notify_all()
-        self._announced.put(ids)
-        if self.training:
-            self.tier.preload(rows)  # rows entering a working set, loaded beside the step before
+        if not self._announce(ids):
+            return False
         while not self._released.acquire(timeout=0.1):
             if self._stop.is_set():
                 return False
@@ -193,13 +172,10 @@ class RowPipeline:
             self._put(batch)
         return not self._stop.is_set()
 
-    def _my_turn(self) -> bool:
-        """Wait until the training thread has begun the step before the one to plan; False once stopped."""
-        with self._turns:
-            while self._planned >= self._permitted:
-                if self._stop.is_set():
-                    return False
-                self._turns.wait(0.1)
+    def _announce(self, ids: torch.Tensor) -> bool:
+        """(prefetch thread) The step's sorted ``ids`` handed to the training thread (``next_ids``); False once
+        stopped."""
+        self._announced.put(ids)
         return True
 
     def _put(self, item) -> None:
@@ -215,11 +191,6 @@ class RowPipeline:
         """The ids the next step reads, once the worker has read its micro-batches; empty when the data has ended."""
         if self._ended:
             return torch.empty(0, dtype=torch.int64)
-        with self._turns:
-            if self._plans and self._taken >= self._permitted:  # the worker waits for a turn that cannot come
-                raise RuntimeError("RowPipeline.next_ids: the step before was not begun (its first micro-batch not "
-                                   "taken), so the prefetch thread may not plan this one")
-            self._taken += 1
         item = self._announced.get()
         if isinstance(item, _Failed):
             raise RuntimeError(f"STEM row prefetch failed: {item.error!r}") from item.error
@@ -256,14 +227,77 @@ class RowPipeline:
         return wait
 
     def _close(self, wait: bool = True) -> None:
-        """Stop the worker; ``wait``: first let it plan the step it may (its peers on every rank plan it too: a
-        training loop that ended normally). Not after an error, where a peer may never plan it."""
-        if self._plans and wait:
-            with self._turns:
-                while self._planned < self._permitted and not self._over:
-                    self._turns.wait(0.1)
+        """Stop the worker (``wait``: the training loop ended normally, which ``PlannedPipeline`` waits on)."""
         self._stop.set()
         self._thread.join(timeout=5)
         self._thread = None
-        if self._plans:
-            self.tier.end_planning_ahead()
+
+
+class PreloadPipeline(RowPipeline):
+    """A training pipeline over a working set (``device_tier.DeviceTier``): the prefetch thread loads a step's rows into
+    the set beside the step before (``tier.preload``), then announces the step. The step before's update and the
+    step's admission wait for the announcement, so they come after the load however late it runs: the same rows load
+    ahead, and with dense Adam the same rows take the step before's update in their slots, on every run."""
+
+    tier: LoadsAhead
+
+    def _announce(self, ids: torch.Tensor) -> bool:
+        self.tier.preload(ids)
+        return super()._announce(ids)
+
+
+class PlannedPipeline(PreloadPipeline):
+    """A training pipeline over a working set at DP > 1 (``device_tier.OwnerTier``): the prefetch thread also plans each
+    step before it announces it (``tier.plan_ahead``, over the planning groups), so that the rows this rank owns of it
+    load beside the step before. It plans step s+1 only once the training thread has begun step s (every rank runs a
+    begun step whole, so every rank's thread plans the same steps and its collectives meet their peers'); leaving the
+    stream after a normal end first lets it plan the step it may."""
+
+    tier: PlansAhead
+
+    def open(self, data: Iterator[dict], num_micro_batches: int, depth: int = 2) -> RowPipeline:
+        if not self.is_open:  # (else ``RowPipeline.open`` refuses)
+            self._turns = threading.Condition()  # steps the worker may plan (the first, then one per begun step)
+            self._permitted, self._planned, self._taken = 1, 0, 0  # steps: may plan, planned, announced ids taken
+            self.tier.begin_planning_ahead()
+        return super().open(data, num_micro_batches, depth)
+
+    def _begin(self) -> None:
+        """The announced step begins: the worker may plan the step after it."""
+        with self._turns:
+            self._permitted += 1
+            self._turns.notify_all()
+        super()._begin()
+
+    def _announce(self, ids: torch.Tensor) -> bool:
+        """Wait for the turn to plan the step (the step before begun), plan it, load its rows, announce it."""
+        with self._turns:
+            while self._planned >= self._permitted:
+                if self._stop.is_set():
+                    return False
+                self._turns.wait(0.1)
+        self.tier.plan_ahead(ids)
+        with self._turns:
+            self._planned += 1
+            self._turns.notify_all()
+        return super()._announce(ids)
+
+    def next_ids(self) -> torch.Tensor:
+        if not self._ended:
+            with self._turns:
+                if self._taken >= self._permitted:  # the worker waits for a turn that cannot come
+                    raise RuntimeError("RowPipeline.next_ids: the step before was not begun (its first micro-batch "
+                                       "not taken), so the prefetch thread may not plan this one")
+                self._taken += 1
+        return super().next_ids()
+
+    def _close(self, wait: bool = True) -> None:
+        """First let the worker plan the step it may where ``wait`` (its peers on every rank plan it too: a training
+        loop that ended normally; not after an error, where a peer may never plan it); then stop it and drop the plans
+        not taken."""
+        if wait:
+            with self._turns:
+                while self._planned < self._permitted and self._thread.is_alive():
+                    self._turns.wait(0.1)
+        super()._close(wait)
+        self.tier.end_planning_ahead()

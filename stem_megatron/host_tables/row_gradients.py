@@ -3,16 +3,16 @@
 As backward fills a micro-batch's compact row gradient it is added into one fp32 buffer per layer over the step's
 distinct ids (in micro-batch order) and the micro-batch's rows are let go (``_register_grad_ready``). Once a layer's
 last micro-batch is in, the layer goes to its owners (``_start_grad_sync``: ``RowExchange.to_owners``, averaged over
-DP) and, for the host tier, lands in pinned host buffers on a side stream: from the hook itself
-(``host_tables.overlap_exchange``), else after backward (``finish_grad_sync``). Every rank finishes its layers in one
-order, so the exchange takes one place among the step's collectives on every rank.
+DP) and lands where the tier updates the rows (the tier's ``land``: the host tier's pinned host buffers on a side
+stream): from the hook itself (``host_tables.overlap_exchange``), else after backward (``finish_grad_sync``). Every
+rank finishes its layers in one order, so the exchange takes one place among the step's collectives on every rank.
 """
 
 from __future__ import annotations
 
 import functools
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -20,24 +20,18 @@ from megatron.core import parallel_state
 
 from stem_megatron.host_tables.counters import Counted
 from stem_megatron.host_tables.exchange import Route, RowExchange
-from stem_megatron.host_tables.transfer import DeviceToHost
 
 Landed = tuple[torch.Tensor, torch.Tensor, Optional[torch.cuda.Event]]  # (ids, gradients, their copy's end)
 
 
 class RowGradients(Counted):
-    """Per STEM layer, the step's row gradients: merged on the device, exchanged, landed on the host."""
+    """Per STEM layer, the step's row gradients: merged on the device, exchanged, landed where the tier updates them."""
 
     def __init__(self, layers: list[int], cols: int, exchange: RowExchange, dp_group, device: torch.device,
-                 overlap: bool, landing_rows: int = 0, to_host: bool = True):
-        """``landing_rows``: the most rows this rank updates in a step (``transfer.landing_rows``), whose pinned
-        landing buffers are reserved here (GPU). ``to_host``: False where the rows are updated on the device (a
-        working set): the gradients stay there."""
+                 overlap: bool, land: Callable[[int, torch.Tensor], tuple[torch.Tensor, Optional[torch.cuda.Event]]]):
+        """``land``: a layer's gradients at their owners taken to where the tier updates the rows (``Tier.land``)."""
         self.layers, self.cols, self.exchange, self.dp_group, self.device = layers, cols, exchange, dp_group, device
-        self.overlap, self.to_host = overlap, to_host
-        self.d2h = DeviceToHost(device)
-        for layer in layers if to_host else ():
-            self.d2h.reserve(layer, landing_rows * cols * 4)
+        self.overlap, self.land = overlap, land
         self.stats = self.new_stats()
         self._routes: Optional[list[Route]] = None  # the step's rows on their way to the owners; None: no step
         self._owned = torch.empty(0, dtype=torch.int64)  # the sorted ids this rank updates in the step
@@ -53,7 +47,7 @@ class RowGradients(Counted):
         forward and not yet merged, their gradient being merged and the merged buffers (the memory plan's
         ``step_rows`` less the prefetcher's queue). ``exchange_wait_s``: the step's wait after backward for
         layers not sent during it."""
-        return dict(bytes_from_device=0, layers_sent_in_backward=0, exchange_wait_s=0.0, device_row_bytes_peak=0)
+        return dict(layers_sent_in_backward=0, exchange_wait_s=0.0, device_row_bytes_peak=0)
 
     def _hold(self, nbytes: int, transient: int = 0) -> None:
         self._held += nbytes
@@ -91,7 +85,8 @@ class RowGradients(Counted):
 
     def _start_grad_sync(self, layer: int) -> tuple[Landed, torch.Tensor]:
         """Send layer ``layer``'s merged gradients to their owners; returns (the ids this rank updates and
-        their DP-averaged gradients, landing on the host; the squared norm of those rows, on the device)."""
+        their DP-averaged gradients, landing where the tier updates them; the squared norm of those rows, on the
+        device)."""
         merged = self._merged.pop(layer, None)
         if merged is None:
             raise RuntimeError(f"STEM layer {layer} got no row gradients this step: every micro-batch's backward "
@@ -99,11 +94,7 @@ class RowGradients(Counted):
         self._hold(-merged.numel() * 4)
         summed = self.exchange.to_owners(self._routes, merged)
         summed /= dist.get_world_size(self.dp_group)
-        if not self.to_host:
-            return (self._owned, summed, None), summed.pow(2).sum()
-        self.stats["bytes_from_device"] += summed.numel() * 4
-        host_grads, landed = self.d2h.copy(summed, layer)  # the update is done with it before the next step's land
-        return (self._owned, host_grads, landed), summed.pow(2).sum()
+        return (self._owned, *self.land(layer, summed)), summed.pow(2).sum()
 
     def finish_grad_sync(self) -> tuple[dict[int, Landed], torch.Tensor]:
         """Every layer's gradients at their owners, those sent during backward first; returns them and the

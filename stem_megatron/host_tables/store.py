@@ -30,13 +30,13 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from stem_megatron.config import HostTablesConfig
 from stem_megatron.host_tables.adam_thread import RowUpdates
-from stem_megatron.host_tables.device_tier import DeviceTier
+from stem_megatron.host_tables.device_tier import DeviceTier, OwnerTier
 from stem_megatron.host_tables.exchange import DTYPES, RowExchange
-from stem_megatron.host_tables.host_tier import HostTier
+from stem_megatron.host_tables.host_tier import HostTier, make_current, settle_node
 from stem_megatron.host_tables.hot_rows import HotRowCache
 from stem_megatron.host_tables.node import host_threads, node_layout
 from stem_megatron.host_tables.ownership import RowOwnership
-from stem_megatron.host_tables.pipeline import RowPipeline
+from stem_megatron.host_tables.pipeline import PlannedPipeline, PreloadPipeline, RowPipeline
 from stem_megatron.host_tables.row_gradients import RowGradients
 from stem_megatron.host_tables.row_optimizer import RowAdam, RowOptimizer
 from stem_megatron.host_tables.row_state import HostRecord
@@ -72,11 +72,20 @@ class StoreConfig:
 
 
 class HostTableStore:
+    """This rank's host tables. Verbs: the module's. Public attributes, read-only: ``layers``, ``vocab_size``,
+    ``d_ff``, ``cols``, ``tp_rank``, ``read_dtype``, ``device``, ``host_bytes``; ``own`` (which rows this rank and
+    node own, and where a node keeps them); ``record`` (the node's host record: each layer's table copy and state, read
+    whole after ``settle``); ``pipeline`` (the training pipeline, handed to the tables' optimizer member, which ends
+    each step through it and reads its step count); ``tier`` and ``optimizer`` (where rows are read and updated, and
+    the rows' AdamW). The other parts are private."""
+
     hosted = True  # a checkpoint has a ``stem/`` part (``checkpoint/host_tables.py``; ``placement.NoTables``: none)
 
-    def __init__(self, config: StoreConfig, device: Optional[torch.device] = None):
+    def __init__(self, config: StoreConfig, device: Optional[torch.device] = None, copies=None):
         """Collective over the world (node and exchange groups and the shared tables are created here). The device
-        tier where ``config.host.resident_rows`` (the working set's slots a layer), else the host tier."""
+        tier where ``config.host.resident_rows`` (the working set's slots a layer), else the host tier. ``copies``: the
+        copy engine of fetched rows (``transfer.HostToDevice``; default: CUDA's on GPU, none on CPU; a test's
+        stand-in)."""
         h, vocab_size, d_ff = config.host, config.vocab_size, config.d_ff
         optimizer, resident_rows, micro_batch_tokens = h.optimizer, h.resident_rows, config.micro_batch_tokens
         if optimizer not in ("lazy", "dense"):
@@ -100,19 +109,23 @@ class HostTableStore:
         cache = HotRowCache(h.cache_rows, vocab_size, self.device)  # none (0 rows) beside a working set
         slot_bytes = max(staging_bytes(len(self.layers), rows, self.cols, travel.itemsize, micro_batch_tokens)
                          if rows else 0, cache_staging_bytes(cache.capacity, self.cols, travel.itemsize))
-        self._h2d = HostToDevice(self.device, dtype=config.compute_dtype, slot_bytes=slot_bytes)
+        self._h2d = HostToDevice(self.device, dtype=config.compute_dtype, slot_bytes=slot_bytes, copies=copies)
         self.optimizer = RowOptimizer(RowAdam(config.betas, config.eps, config.weight_decay), "rows", self.device,
                                       dense=optimizer == "dense")  # the host's rows (a working set: a twin of its own)
-        parts = (self.record, self._exchange, self.optimizer, self._updates, self._counters, self._h2d)
-        self.tier: Tier
+        parts = (self.record, self._exchange, self.optimizer, self._updates, self._counters, self._h2d, cache)
+        self.tier: Tier  # with its training pipeline's kind: the one place that asks where rows are updated
         if resident_rows:
             moving = min(resident_rows, landing_rows(self.own, step_ids))  # rows entering the working set at once
-            self.tier = DeviceTier(*parts, cache, resident_rows, travel, moving, micro_batch_tokens, dp)
+            tier, pipeline = (OwnerTier, PlannedPipeline) if dp > 1 else (DeviceTier, PreloadPipeline)
+            self.tier = tier(*parts, resident_rows, travel, moving, micro_batch_tokens)
         else:
-            self.tier = HostTier(*parts, cache)
-        self.grads = RowGradients(self.layers, self.cols, self._exchange, dp_group, self.device, h.overlap_exchange,
-                                  landing_rows=landing_rows(self.own, step_ids), to_host=not resident_rows)
-        self.pipeline = self._pipeline(training=True)  # the training stream, each step's end and count
+            self.tier, pipeline = HostTier(*parts, landing_rows(self.own, step_ids)), RowPipeline
+        self._grads = RowGradients(self.layers, self.cols, self._exchange, dp_group, self.device, h.overlap_exchange,
+                                  self.tier.land)
+        # the training stream, each step's end and count; over the store's parts, not the store: a store the pipeline
+        # pointed back to would outlive its last reference until the garbage collector ran, and with it the node's tables
+        self.pipeline = pipeline(self.tier, self._grads, self._updates, self._counters, self.tier.admit, self.device,
+                                 self.vocab_size)
 
     def row_source(self) -> ModuleSpec:
         """The STEM layers' row source, reading this store (``HostRowSource``)."""
@@ -127,15 +140,14 @@ class HostTableStore:
     def stream(self, batches: Iterator[dict], micro_batches: int, depth: int = 2, training: bool = True
                ) -> RowPipeline:
         """``batches`` with their rows attached, ``micro_batches`` a step (``pipeline.RowPipeline``: a context
-        manager, the schedule's data iterator and, in training, ``pipeline``, the step's end, ``RowPipeline.step``)."""
-        return (self.pipeline if training else self._pipeline(training=False)).open(batches, micro_batches, depth)
-
-    def _pipeline(self, training: bool) -> RowPipeline:
-        """A pipeline over this store's parts (not the store: a store the pipeline pointed back to would outlive its
-        last reference until the garbage collector ran, and with it the node's tables)."""
-        refresh = functools.partial(_refresh, self.tier, self.record, self._exchange, self._counters)
-        return RowPipeline(self.tier, self.grads, self._updates, self._counters, refresh, self.device,
-                           self.vocab_size, training)
+        manager, the schedule's data iterator and, in training, ``pipeline``, the step's end, ``RowPipeline.step``;
+        validation: a pipeline of its own, reading the node's copy)."""
+        if training:
+            return self.pipeline.open(batches, micro_batches, depth)
+        admit = functools.partial(make_current, self.tier)
+        validation = RowPipeline(self.tier, self._grads, self._updates, self._counters, admit, self.device,
+                                 self.vocab_size, training=False)
+        return validation.open(batches, micro_batches, depth)
 
     def rows(self, layer: int, prefetched: PrefetchedRows) -> torch.Tensor:
         """(forward) A micro-batch's rows of ``layer`` (its distinct ids x this rank's columns, fp32); with gradients
@@ -143,7 +155,7 @@ class HostTableStore:
         rows = self.tier.read(layer, prefetched)
         if torch.is_grad_enabled():
             rows = rows.detach().requires_grad_()
-            self.grads.track(layer, prefetched.in_step, rows)
+            self._grads.track(layer, prefetched.in_step, rows)
         return rows
 
     # ---- the tables whole ----
@@ -151,12 +163,12 @@ class HostTableStore:
         """Wait for the last step's CPU Adam here and on this rank's DP peers on the node (their rows share its copy of
         this TP block), the device tier's rows written back first: call before reading tables or moments whole.
         Collective over those peers (``node.local``), not the node: other TP ranks and stages need not call it."""
-        _settle(self.tier, self.record)
+        settle_node(self.tier)
 
     def refresh(self, ids: torch.Tensor) -> None:
         """Make this node's copy of rows ``ids`` equal the owners' rows. Collective over the world's ranks of this
         stage's DP group and the node."""
-        _refresh(self.tier, self.record, self._exchange, self._counters, ids)
+        make_current(self.tier, ids)
 
     def table(self, layer: int) -> torch.Tensor:
         """``U_l`` as a V x d_ff fp32 matrix from this node's copy, by token id; current where ``refresh`` made it so.
@@ -225,7 +237,7 @@ class HostTableStore:
         thread's wait for its rows (``stem_prefetch_wait_s``)."""
         stats = dict(self._counters)
         self._counters.update(_new_counters())
-        for part in (self.grads, self._updates, *self.tier.parts):
+        for part in (self._grads, self._updates, *self.tier.parts):
             stats.update(part.take_stats())
         wire = self._exchange.take_stats()
         node = torch.tensor([wire["inter_node_sent"], wire["inter_node_received"],
@@ -243,22 +255,11 @@ class HostTableStore:
         return out
 
 
-def _settle(tier: Tier, record: HostRecord) -> None:
-    tier.settle()
-    if record.node.local is not None:
-        dist.barrier(record.node.local)
-
-
-def _refresh(tier: Tier, record: HostRecord, exchange: RowExchange, counters: dict, ids: torch.Tensor) -> None:
-    _settle(tier, record)
-    counters["rows_pulled"] += record.pull(ids, exchange)
-
-
 def _new_counters() -> dict:
-    """A step's fetch counters (the prefetch thread's, counted as the schedule takes each micro-batch) and rows
-    updated, later, and pulled across nodes."""
-    return dict(unique_tokens=0, rows_fetched=0, bytes_to_device=0, rows_updated=0, rows_updated_later=0,
-                rows_pulled=0, cache_hits=0, cache_lookups=0)
+    """A step's fetch counters (the prefetch thread's, counted as the schedule takes each micro-batch), row gradient
+    bytes landed on the host, and rows updated, later, and pulled across nodes."""
+    return dict(unique_tokens=0, rows_fetched=0, bytes_to_device=0, bytes_from_device=0, rows_updated=0,
+                rows_updated_later=0, rows_pulled=0, cache_hits=0, cache_lookups=0)
 
 
 class HostRowSource(MegatronModule):
