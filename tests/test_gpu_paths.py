@@ -607,6 +607,7 @@ def test_indices_made_on_the_host_reach_the_device_from_pinned_memory(monkeypatc
     from stem_megatron.host_tables.device_tier import OwnerTier
     from stem_megatron.host_tables.exchange import Route
     from stem_megatron.host_tables.row_optimizer import RowOptimizer
+    from stem_megatron.host_tables.row_state import RowState
     from stem_megatron.host_tables.transfer import copy_to_device
     from stem_megatron.host_tables.working_set import WorkingSet
 
@@ -618,8 +619,8 @@ def test_indices_made_on_the_host_reach_the_device_from_pinned_memory(monkeypatc
     OwnerTier._receive(SimpleNamespace(layers=[0], ws=resident, exchange=SimpleNamespace(
         from_owners=lambda routes, rows: rows), stats=OwnerTier.new_stats()), [], ids)
     fused = RowOptimizer(None, "fused", gpu, dense=True)  # its AdamW a stand-in below
-    monkeypatch.setattr(fused, "_fused", lambda step, lr, state, layer, at, grads: None)
-    state = SimpleNamespace(master={0: torch.zeros(8, 2)})
+    monkeypatch.setattr(fused, "_adamw", lambda step, lr, tensors, at, grads: None)
+    state = RowState.zeros([0], 8, 2, torch.device("cpu"))
     fused.update(1, 1e-3, state, 0, ids, torch.ones(4, 2), torch.arange(4), untouched=torch.tensor([5]))
     fused.decay(1, 1e-3, state, 0, ids)
     leaving = SimpleNamespace(ids=torch.arange(4), slot_of=torch.arange(4), layers=[0], device=gpu,

@@ -257,20 +257,26 @@ class RowOptimizer:
         """torch's fused AdamW (or the lean update) on ``layer``'s rows ``at`` (host indices): gathered on the device,
         updated, put back (3x an in-place row kernel's traffic, ~10 ms a step at 1B STEM-1/3 on an H100 by
         docs/gpu_step_v2.md)."""
-        tensors = state.of(layer)
+        tensors, rows = state.of(layer), copy_to_device(at, self.device)
         if self.spec.lean:
-            tokens = copy_to_device(self.token_ids(at), self.device)
-            at = copy_to_device(at, self.device)
-            constants = lean_adam.scalars(step, lr, (self.adam.beta1, self.adam.beta2), self.adam.eps,
-                                          self.adam.weight_decay)
-            for lo in range(0, at.numel(), self.LEAN_CHUNK):
-                rows = at[lo:lo + self.LEAN_CHUNK]
-                new = lean_adam.update(constants, self.seed, step, layer, self.col0, tokens[lo:lo + self.LEAN_CHUNK],
-                                       grads[lo:lo + self.LEAN_CHUNK], *(t.index_select(0, rows) for t in tensors))
-                for tensor, values in zip(tensors, new):
-                    tensor.index_copy_(0, rows, values)
-            return
-        at = copy_to_device(at, self.device)
+            self._lean(step, lr, layer, tensors, rows, copy_to_device(self.token_ids(at), self.device), grads)
+        else:
+            self._adamw(step, lr, tensors, rows, grads)
+
+    def _lean(self, step: int, lr: float, layer: int, tensors: tuple, at: torch.Tensor, tokens: torch.Tensor,
+              grads: torch.Tensor) -> None:
+        """The lean update's torch definition on the device's rows ``at`` (token ids ``tokens``), by chunks."""
+        constants = lean_adam.scalars(step, lr, (self.adam.beta1, self.adam.beta2), self.adam.eps,
+                                      self.adam.weight_decay)
+        for lo in range(0, at.numel(), self.LEAN_CHUNK):
+            rows = at[lo:lo + self.LEAN_CHUNK]
+            new = lean_adam.update(constants, self.seed, step, layer, self.col0, tokens[lo:lo + self.LEAN_CHUNK],
+                                   grads[lo:lo + self.LEAN_CHUNK], *(t.index_select(0, rows) for t in tensors))
+            for tensor, values in zip(tensors, new):
+                tensor.index_copy_(0, rows, values)
+
+    def _adamw(self, step: int, lr: float, tensors: tuple, at: torch.Tensor, grads: torch.Tensor) -> None:
+        """torch's fused AdamW on the device's rows ``at``."""
         p, m, v = (t.index_select(0, at) for t in tensors)
         count = torch.full((), float(step), device=self.device)  # bias correction by the global step
         adam = self.adam
