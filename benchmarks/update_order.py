@@ -12,7 +12,7 @@ seconds the next step waited for them, and the share of updated rows that were n
 set, ``held`` splits into the slots' AdamW (``update s``: on a GPU a device kernel of ~4-12 ms by
 docs/gpu_step_v2.md, here DeepSpeed's kernel on these cores) and the host's part (``host s``: admitting the next
 step's rows, the dense decay of entering rows): what would stay on the path on a GPU. During the "device step" the
-prefetch thread loads the step after's entering rows into the working set ahead (``DeviceTier.plan_ahead``,
+prefetch thread loads the step after's entering rows into the working set ahead (``OwnerTier.plan_ahead``,
 ``preload``; with dense Adam once their decay of the step is done, asked first: ``LaterDecay``), in ``ahead s`` (of
 the device step: past it, the prefetch thread would be late); ``at end`` counts the rows that still entered at the
 step's end, on the path, and ``staged`` those of them whose state that thread gathered ahead (``StagedRows``: only
@@ -20,7 +20,7 @@ their put in place is left). ``--nodes N``
 runs N processes as N emulated nodes (one DP rank each, ``--tokens`` each; rank 0's figures): the host step then
 also pulls the rows other nodes updated, and a working set holds the rows its rank owns and sends them back to the
 ranks that read them; ``MB sent`` is what rank 0 sent a step (row gradients, rows, ids); ``back s``, of ``host s``,
-the working set's rows sent back from their owners (``StepRows.receive``).
+the working set's rows sent back from their owners (``OwnerTier._receive``).
 
 Run: ``.venv/bin/python benchmarks/update_order.py [--tokens 32768] [--cols 512] [--layers 2]
 [--device-step 0.5] [--steps 6] [--repeats 2] [--resident 16384] [--nodes 1]`` (about two minutes on 2 CPU cores; host
