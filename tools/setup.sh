@@ -134,9 +134,10 @@ else
   $PIP install "torch==$TORCH_VERSION" ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"} && $PIP install -e '.[dev]'
 fi
 
-# DeepSpeed's CPU Adam (the host tables' optimizer) compiles on first use, for minutes: build it now, into the venv's
-# torch_extensions, where every process of the venv looks for it (row_optimizer.extensions_root)
-"$VENV/bin/python" -W ignore -c 'from stem_megatron.host_tables.row_optimizer import RowAdam; RowAdam((0.9, 0.95), 1e-8, 0)'
+# DeepSpeed's CPU Adam (the host tables' optimizer) and the lean tables' update compile on first use, for minutes:
+# build them now, into the venv's torch_extensions, where every process of the venv looks (row_optimizer.extensions_root)
+"$VENV/bin/python" -W ignore -c 'from stem_megatron.host_tables.row_optimizer import RowAdam, lean_kernel
+RowAdam((0.9, 0.95), 1e-8, 0); lean_kernel()'
 
 if $demo_corpus; then
   "$VENV/bin/python" -m stem_megatron.data.corpus --out data_cache/python-doc

@@ -66,9 +66,10 @@ def check_transformer_engine() -> tuple[str, str]:
 
 
 def check_cpu_adam() -> tuple[str, str]:
-    from stem_megatron.host_tables.row_optimizer import RowAdam, extensions_root
+    from stem_megatron.host_tables.row_optimizer import RowAdam, extensions_root, lean_kernel
 
     RowAdam((0.9, 0.95), 1e-8, 0.0)  # loads the op as training does, building it on first use
+    lean_kernel()  # the lean table state's update (host_tables.state_dtype and co.)
     return OK, f"loads (built in {extensions_root()})"
 
 
