@@ -19,6 +19,7 @@ from stem_megatron.data.integrity import data_config_problem
 from stem_megatron.layer_plan import RATIOS, VARIANTS, stem_layer_indices
 from stem_megatron.run_plan import tables_on_device, tables_on_host
 from stem_megatron.setup_check import corpus_problem
+from stem_megatron.table_state import StateSpec
 
 
 class ConfigError(ValueError):
@@ -81,6 +82,9 @@ class HostTablesConfig:
     host_memory_gib: Optional[float] = None
     wire_dtype: str = "fp32"  # host tables: row gradients sent to their owner node in fp32 (exact) | bf16
     read_dtype: str = "fp32"  # host tables: each node's copy of the tables fp32 | bf16 (fp32 masters at the owners)
+    state_dtype: str = "fp32"  # host tables' Adam moments fp32 | bf16, stochastically rounded (docs/lean_tables.md)
+    second_moment: str = "element"  # host tables' Adam second moment per element | row (one fp32 a d_ff/8 columns)
+    master_dtype: str = "fp32"  # host tables' masters fp32 | bf16: the bf16 read copy, stochastically rounded
     # host tables: send a layer's row gradients to their owners while backward runs through the earlier layers
     overlap_exchange: bool = True
     # host tables: CPU Adam on the rows the next step reads first, on the others while the next step runs
@@ -246,13 +250,6 @@ def _check(ok: bool, field_name: str, message: str) -> None:
         raise ConfigError(f"{field_name}: {message}")
 
 
-def _validate_data(d: DataConfig) -> None:
-    problem = corpus_problem(Path(d.dir))
-    _check(problem is None, "data.dir", problem)
-    problem = data_config_problem(d)
-    _check(problem is None, *(problem or ("", "")))
-
-
 def validate(cfg: RunConfig, world_size: int) -> int:
     """Check every field that would otherwise fail deep inside megatron; returns the DP size."""
     dp = validate_layout(cfg, world_size)
@@ -268,7 +265,10 @@ def validate(cfg: RunConfig, world_size: int) -> int:
                "Transformer Engine's norms (a GPU with TE); elsewhere use expert parallelism with TP=1")
     _check(cfg.logging.sync_audit is None or torch.cuda.is_available(), "logging.sync_audit",
            "it counts the step's synchronising CUDA calls, and this run has no GPU: set it on a GPU run, or null")
-    _validate_data(cfg.data)
+    problem = corpus_problem(Path(cfg.data.dir))
+    _check(problem is None, "data.dir", problem)
+    problem = data_config_problem(cfg.data)
+    _check(problem is None, *(problem or ("", "")))
     for name, path in (("checkpoint.load", c.load), ("checkpoint.init_from", c.init_from)):
         _check(path is None or Path(path).exists(), name, f"{path} does not exist")
     return dp
@@ -309,6 +309,8 @@ def validate_layout(cfg: RunConfig, world_size: int) -> int:
            "all its parameters by one norm; set host_tables.placement=host or host_tables.clip=global")
     _check(h.wire_dtype in ("fp32", "bf16"), "host_tables.wire_dtype", f"{h.wire_dtype!r} is not 'fp32' or 'bf16'")
     _check(h.read_dtype in ("fp32", "bf16"), "host_tables.read_dtype", f"{h.read_dtype!r} is not 'fp32' or 'bf16'")
+    problem = StateSpec.problem(h)  # the tables' row state (docs/lean_tables.md)
+    _check(problem is None, *(problem or ("", "")))
     _check(s.table_init in ("scaled", "xavier", "from_dense"), "stem.table_init",
            f"{s.table_init!r} is not 'scaled', 'xavier' or 'from_dense' (docs/recipes.md)")
     _check(s.table_init != "from_dense" or cfg.checkpoint.init_from_hf, "stem.table_init", "from_dense reads a dense "
@@ -317,8 +319,6 @@ def validate_layout(cfg: RunConfig, world_size: int) -> int:
     _check(s.calibration_gib > 0, "stem.calibration_gib", "must be > 0 (device GiB of the calibration's sums)")
     _check(s.table_init_std is None or s.table_init_std > 0, "stem.table_init_std", "must be > 0 or null")
     _check(h.prefetch_depth >= 1, "host_tables.prefetch_depth", "must be >= 1")
-    _check(h.cache_rows >= 0, "host_tables.cache_rows", "must be >= 0")
-    _check(h.resident_rows >= 0, "host_tables.resident_rows", "must be >= 0")
     if h.resident_rows and s.variant not in ("dense", "hash_moe"):
         _check(tables_on_host(cfg), "host_tables.resident_rows", "a working set holds host tables' rows: set "
                "host_tables.placement=host or host_tables.resident_rows=0")
@@ -372,7 +372,8 @@ def validate_layout(cfg: RunConfig, world_size: int) -> int:
     _check(c.save or t.exit_after_steps is None, "train.exit_after_steps", "stops a job to continue later from its "
            "checkpoint, but checkpoint.save=false writes none: set checkpoint.save=true")
     for name, value in (("checkpoint.keep", c.keep), ("checkpoint.keep_every", c.keep_every),
-                        ("train.max_skipped_steps", t.max_skipped_steps)):
+                        ("train.max_skipped_steps", t.max_skipped_steps), ("host_tables.cache_rows", h.cache_rows),
+                        ("host_tables.resident_rows", h.resident_rows)):
         _check(value >= 0, name, "must be >= 0")
     [skip_range(entry) for entry in t.skip_steps]  # each entry a step or a range
     _check(not c.export or not Path(c.export).exists(), "checkpoint.export", f"{c.export} already exists, and the "

@@ -39,7 +39,9 @@ _IGNORED = {"train": ("log_interval", "exit_after_steps", "eval_interval", "eval
             "stem": ("prefetch_depth", "cache_rows", "shm_dir", "host_memory_gib", "overlap_exchange",
                      "overlap_update", "resident_rows", "calibration_gib")}
 # fields that runs named without them lack, left out at their defaults: a run keeps its directory
-_ADDED = {"model": {"qkv_bias": False, "rope_scaling_factor": None}, "stem": {"calibration_tokens": None}}
+_ADDED = {"model": {"qkv_bias": False, "rope_scaling_factor": None},
+          "stem": {"calibration_tokens": None, "state_dtype": "fp32", "second_moment": "element",
+                   "master_dtype": "fp32"}}
 
 
 def _multirun() -> bool:

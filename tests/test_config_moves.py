@@ -91,7 +91,8 @@ def test_a_checkpoint_names_its_run_by_the_flat_stem_of_before():
     from stem_megatron.checkpoint.atomic import CheckpointError
 
     saved = {k: v for k, v in OLD_STEM.items() if k not in ("prefetch_depth", "cache_rows", "shm_dir",
-                                                           "host_memory_gib", "overlap_exchange", "overlap_update")}
+                                                           "host_memory_gib", "overlap_exchange", "overlap_update",
+                                                           "read_dtype")}
     cfg = to_run_config(upgrade_saved_config({"stem": dict(OLD_STEM)}))
     assert list(manager._identity(cfg)["stem"].items()) == list(saved.items())
     layout = {"world": 1, "tp": 1, "pp": 1, "ep": 1, "dp": 1}

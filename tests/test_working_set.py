@@ -11,6 +11,7 @@ import torch
 from stem_megatron.config import HostTablesConfig, ModelConfig, ParallelConfig, RunConfig, STEMConfig, TrainConfig
 
 MICRO, GLOBAL, STEPS = 2, 4, 8
+LEAN = dict(state_dtype="bf16", second_moment="row", master_dtype="bf16", read_dtype="bf16")  # docs/lean_tables.md
 MODEL = ModelConfig(num_layers=4, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4, vocab_size=128,
                     seq_length=16)
 
@@ -52,9 +53,10 @@ def _train(tp, pp, optimizer, read_dtype, resident_rows):
     from stem_megatron.training.setup import setup_model
     from stem_megatron.training.step import forward_backward, train_step
 
+    state = LEAN if read_dtype == "lean" else {"read_dtype": read_dtype}
     cfg = RunConfig(model=MODEL, stem=STEMConfig(variant="stem", ratio="1/2"),
-                    host_tables=HostTablesConfig(placement="host", optimizer=optimizer, read_dtype=read_dtype,
-                                                 resident_rows=resident_rows),
+                    host_tables=HostTablesConfig(placement="host", optimizer=optimizer, resident_rows=resident_rows,
+                                                 **state),
                     parallel=ParallelConfig(tp, pp),
                     train=TrainConfig(steps=STEPS, micro_batch_size=MICRO, global_batch_size=GLOBAL, lr=1e-2))
     if resident_rows and optimizer == "dense":
@@ -95,11 +97,13 @@ def _compare(tp, pp, optimizer, read_dtype, resident_rows):
 
 
 CASES = {  # (tp, pp, dp, optimizer, read_dtype, resident_rows): rows enter and leave every step (~50 distinct of 64;
-    # at DP 2 a rank holds the ~25 of them it owns, of its 64 rows)
+    # at DP 2 a rank holds the ~25 of them it owns, of its 64 rows); "lean": the lean row state (bf16 copies)
     "tp2-lazy": (2, 1, 1, "lazy", "fp32", 64),
     "pp2-dense-bf16": (1, 2, 1, "dense", "bf16", 64),
     "dp2-tp2-lazy": (2, 1, 2, "lazy", "fp32", 32),
     "pp2-dp2-dense-bf16": (1, 2, 2, "dense", "bf16", 32),
+    "dp2-tp2-lazy-lean": (2, 1, 2, "lazy", "lean", 32),
+    "pp2-dense-lean": (1, 2, 1, "dense", "lean", 64),
 }
 
 

@@ -52,13 +52,14 @@ def _layout() -> dict:
 def _identity(cfg: RunConfig) -> dict:
     """What must match for a checkpoint to load: the model and which layers are STEM / where tables live. ``stem``:
     the flat dict (``config_moves.flat_stem``), the layout every checkpoint records, so all of them load; the
-    calibration's fields decide only a new run's tables (``checkpoint.init_from_hf``), a resume loads them."""
+    calibration's fields decide only a new run's tables (``checkpoint.init_from_hf``), a resume loads them; the
+    tables' state and read copies convert on load (``host_tables.load``)."""
     stem = flat_stem(*(dataclasses.asdict(group) for group in (cfg.stem, cfg.host_tables, cfg.hash_moe)))
     return {"model": dataclasses.asdict(cfg.model),
             "stem": {k: v for k, v in stem.items()
                      if k not in ("prefetch_depth", "cache_rows", "shm_dir", "host_memory_gib",
                                   "overlap_exchange", "overlap_update", "calibration_tokens",
-                                  "calibration_gib")}}
+                                  "calibration_gib", "read_dtype", "state_dtype", "second_moment", "master_dtype")}}
 
 
 def save(cfg: RunConfig, trainer, detector, step: int) -> Path:
@@ -182,7 +183,7 @@ def _check_compatible(cfg: RunConfig, manifest: dict, path: Path, layout: dict) 
     # a setting added after the checkpoint was saved: it trained with what is now the default
     defaults = _identity(RunConfig())
     for part in ("model", "stem"):
-        saved = {**defaults[part], **manifest.get(part, {})}
+        saved = {k: v for k, v in {**defaults[part], **manifest.get(part, {})}.items() if k in defaults[part]}
         diff = sorted(k for k in set(want[part]) | set(saved) if want[part].get(k) != saved.get(k))
         if diff:
             keys = [f"model.{k}" if part == "model" else new_key(k) for k in diff]

@@ -60,8 +60,9 @@ class DeviceTier:
         self.counters, self.h2d, self.layers = counters, h2d, record.layers
         self.cache, self._row_bytes = cache, row_bytes(record, h2d)
         self.device = optimizer.device
+        # the slots' back end (their token ids: ``WorkingSet``); ``optimizer``: the host record's
         slots = RowOptimizer(optimizer.adam, "fused" if self.device.type == "cuda" else "rows", self.device,
-                             optimizer.dense)  # the slots' back end; ``optimizer``: the host record's
+                             optimizer.dense, optimizer.spec, optimizer.seed, optimizer.col0)
         self.ws = WorkingSet(self.layers, capacity, record.vocab_size, record.cols, self.device, travel, record,
                              slots, ahead=True, moving_rows=moving_rows, tokens=tokens)
         self.later_decay = LaterDecay(record.vocab_size, record.cols * len(self.layers)) if optimizer.dense else None

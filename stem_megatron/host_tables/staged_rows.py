@@ -33,7 +33,7 @@ class StagedRows:
         nbytes = staged_bytes(rows, len(layers), cols)
         self._buffer = copies.pinned(nbytes) if copies is not None else torch.empty(nbytes, dtype=torch.uint8)
         self.ids: Optional[torch.Tensor] = None  # the staged ids (sorted); None: nothing staged
-        self._state: Optional[RowState] = None  # views of the buffer ([layers, kinds, len(ids), cols] fp32)
+        self._state: Optional[RowState] = None  # views of the buffer: each kind and layer ``[len(ids), its cols]``
         self.copied: Optional[torch.cuda.Event] = None  # (GPU) the last copies out of the buffer end here
 
     def stage(self, ids: torch.Tensor, host: HostRecord) -> None:
@@ -46,13 +46,14 @@ class StagedRows:
         if self.copied is not None:  # the last take's copies read the buffer: they end before it is written again
             self.copied.synchronize()
             self.copied = None
-        shape = (len(self.layers), len(KINDS), ids.numel(), self.cols)
-        block = self._buffer[:4 * torch.Size(shape).numel()].view(torch.float32).view(shape)
-        state = RowState(*({layer: block[i, j] for i, layer in enumerate(self.layers)} for j in range(len(KINDS))))
-        local = host.local(ids)
-        for kind in KINDS:
+        state, local, at = RowState({}, {}, {}), host.local(ids), 0
+        for kind in KINDS:  # in the record's dtypes and shapes (``StateSpec``), each view 4-byte aligned
             for layer in self.layers:
-                torch.index_select(host.state.kind(kind)[layer], 0, local, out=state.kind(kind)[layer])
+                table = host.state.kind(kind)[layer]
+                nbytes = ids.numel() * table.shape[1] * table.element_size()
+                view = self._buffer[at:at + nbytes].view(table.dtype).view(ids.numel(), table.shape[1])
+                state.kind(kind)[layer] = torch.index_select(table, 0, local, out=view)
+                at += -(-nbytes // 4) * 4
         self.ids, self._state = ids, state
 
     def take(self, entering: torch.Tensor) -> Optional[tuple[torch.Tensor, RowState]]:

@@ -45,8 +45,9 @@ from stem_megatron.host_tables.transfer import (HostToDevice, PrefetchedRows, ca
                                                 staging_bytes, travel_dtype)
 from stem_megatron.model.stem_rows import RowOrder
 from stem_megatron.model.token_context import MicroBatchTokens
+from stem_megatron.table_state import StateSpec
 
-CHECKPOINT_KINDS = ("weight", "exp_avg", "exp_avg_sq")  # a checkpoint's: the fp32 master rows and both moments
+CHECKPOINT_KINDS = ("weight", "exp_avg", "exp_avg_sq")  # a checkpoint's: the master rows and both moments
 
 
 @dataclass(frozen=True)
@@ -99,7 +100,7 @@ class HostTableStore:
         self.own = RowOwnership(vocab_size, node.dp_nodes, node.dp_node, len(node.local_dp_peers), node.peer_index)
         self._exchange = RowExchange(self.own, node, self.device, h.wire_dtype)
         self.record = HostRecord(self.layers, vocab_size, d_ff, config.init_std, config.seed, node, self.own,
-                                 DTYPES[h.read_dtype], h.shm_dir, h.host_memory_gib)
+                                 DTYPES[h.read_dtype], h.shm_dir, h.host_memory_gib, StateSpec.of(h))
         self.tp_rank, self.cols, self.read_dtype = self.record.tp_rank, self.record.cols, self.record.read_dtype
         self._counters = _new_counters()  # this step's, added to by the tier and the pipeline
         self._updates = RowUpdates(h.overlap_update, host_threads(self.device), self.device)
@@ -110,8 +111,11 @@ class HostTableStore:
         slot_bytes = max(staging_bytes(len(self.layers), rows, self.cols, travel.itemsize, micro_batch_tokens)
                          if rows else 0, cache_staging_bytes(cache.capacity, self.cols, travel.itemsize))
         self._h2d = HostToDevice(self.device, dtype=config.compute_dtype, slot_bytes=slot_bytes, copies=copies)
+        # the host's rows (a working set: a twin of its own); the lean update rounds by a row's token id and column
+        own = self.own
         self.optimizer = RowOptimizer(RowAdam(config.betas, config.eps, config.weight_decay), "rows", self.device,
-                                      dense=optimizer == "dense")  # the host's rows (a working set: a twin of its own)
+                                      dense=optimizer == "dense", spec=self.record.spec, seed=config.seed,
+                                      col0=self.tp_rank * self.cols, token_ids=lambda rows: own.ids_at(own.lo + rows))
         parts = (self.record, self._exchange, self.optimizer, self._updates, self._counters, self._h2d, cache)
         self.tier: Tier  # with its training pipeline's kind: the one place that asks where rows are updated
         if resident_rows:
@@ -179,7 +183,7 @@ class HostTableStore:
         return self.record.table(layer)
 
     def owner_table(self, layer: int) -> Optional[torch.Tensor]:
-        """``U_l`` as a V x d_ff matrix of the owners' fp32 master rows, on DP rank 0 (None elsewhere); a collective
+        """``U_l`` as a V x d_ff fp32 matrix of the owners' master rows, on DP rank 0 (None elsewhere); a collective
         over the first peers of this DP group's nodes (every TP rank settles its block first: ``export.writer``)."""
         self.settle()
         return self.record.owner_table(layer)
@@ -199,25 +203,25 @@ class HostTableStore:
 
     def sharded_state_dict(self, kinds: tuple[str, ...] = CHECKPOINT_KINDS, loading: bool = False) -> dict:
         """``{key: megatron ShardedTensor}`` of this node's rows of each kind, in the ownership permutation's order
-        (row p holds token id ``ids_at(p)``; the fp32 masters for ``weight``): each node its range, each TP rank its
-        column block. Loading: on the node's first DP peer only (the peers share the node's memory), straight into the
-        node's copy with fp32 copies; then ``restore``."""
+        (row p holds token id ``ids_at(p)``; the masters for ``weight``), in the row state's dtypes and shapes
+        (``HostRecord.checkpointed``): each node its range, each TP rank its column block. Loading: on the node's
+        first DP peer only (the peers share the node's memory), straight into the node's copy with fp32 copies; then
+        ``restore``."""
         record = self.record
         if loading and record.node.peer_index != 0:
             return {}
         out = {}
         for layer in self.layers:
             for kind in kinds:
-                block, row = record.sharded(kind, layer, loading)
+                block, offset, shape = record.checkpointed(kind, layer, loading)
                 out[f"L{layer}.{kind}"] = ShardedTensor(
-                    f"stem.L{layer}.{kind}.by_owner", block, block.dtype, tuple(block.shape),
-                    (self.vocab_size, self.d_ff), (row, self.tp_rank * self.cols),
+                    f"stem.L{layer}.{kind}.by_owner", block, block.dtype, tuple(block.shape), shape, offset,
                     axis_fragmentations=None, replica_id=record.node.peer_index)  # uneven ranges: DCP reshards
         return out
 
     def restore(self, steps_done: Optional[int] = None) -> None:
         """After a checkpoint's rows were loaded into ``sharded_state_dict(loading=True)``'s tensors: every node's copy
-        from the owners' rows (bf16 copies: a checkpoint holds fp32 masters only), and to resume, the Adam step count
+        from the owners' rows (``HostRecord.copies_from_masters``), and to resume, the Adam step count
         ``steps_done`` (None: a new run from the checkpoint's tables). Collective over the world."""
         dist.barrier(self.record.node.group)
         self.tier.drop()

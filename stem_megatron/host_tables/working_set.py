@@ -1,9 +1,10 @@
-"""The rows a step reads, resident on the compute device with their fp32 masters and Adam moments.
+"""The rows a step reads, resident on the compute device with their masters and Adam moments.
 
 Design: docs/gpu_step_v2.md. Without it, the host updates the rows the next step reads between the clip and the
 next forward (CPU Adam, the refresh, micro-batch 0's fetch: 0.25-0.45 s a step at 1B on one H100 by the note's
 estimate). With a working set (``host_tables.resident_rows``) every STEM layer keeps slots of fixed device tensors
-``[C, cols]``: the fp32 master row, ``exp_avg`` and ``exp_avg_sq``. Then:
+``[C, cols]``: the master row, ``exp_avg`` and ``exp_avg_sq``, in the host record's dtypes and shapes
+(``table_state.StateSpec``: fp32, or lean). Then:
 
 - the forward gathers a micro-batch's rows by slot on the device, from the masters cast to the dtype rows travel
   in (the values a fetch of the host copies gives): no host gather, no copy to the device, and no copy of the
@@ -36,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import weakref
 from typing import Callable, Optional
 
 import torch
@@ -71,12 +73,16 @@ class WorkingSet(Counted):
         self.layers, self.cols, self.device, self.travel = layers, cols, device, travel
         self.host = host
         self.optimizer = optimizer
+        if optimizer.spec.lean:  # the lean update rounds by each slot's token id (weakly: no cycle through the set)
+            ws = weakref.ref(self)
+            optimizer.token_ids = lambda slots: ws().ids[slots.cpu()]
         self.slot_of = torch.full((vocab_size,), -1, dtype=torch.int64)
         self.counts = torch.zeros(vocab_size, dtype=torch.int64)  # steps that read each row: who stays when short
         self.ids = torch.empty(0, dtype=torch.int64)  # the id in each slot (-1: free)
-        self.state = RowState.zeros(layers, 0, cols, device)
+        self.state = RowState(*({layer: torch.zeros(0, *rows[layer].shape[1:], dtype=rows[layer].dtype, device=device)
+                                 for layer in layers} for rows in map(host.state.kind, KINDS)))  # the host's kinds
         slot, landing = working_set_bytes(moving_rows, cols, tokens) if moving_rows else (0, 0)
-        self.h2d = HostToDevice(device, slot_bytes=slot)  # entering state, fp32 as it is on the host
+        self.h2d = HostToDevice(device, slot_bytes=slot)  # entering state, in its dtypes as it is on the host
         self.d2h = DeviceToHost(device)  # leaving state
         for layer in layers:
             for kind in KINDS:
@@ -118,7 +124,7 @@ class WorkingSet(Counted):
         for kind in KINDS:
             state = self.state.kind(kind)
             for layer in self.layers:
-                state[layer] = torch.cat([state[layer], torch.zeros(more, self.cols, device=self.device)])
+                state[layer] = torch.cat([state[layer], state[layer].new_zeros(more, state[layer].shape[1])])
 
     # ---- the forward's side ----
     def fetch(self, tokens: torch.Tensor, step_ids: torch.Tensor, by_position: bool = False) -> PrefetchedRows:
@@ -143,7 +149,7 @@ class WorkingSet(Counted):
         """``layer``'s rows at ``slots`` in the travel dtype: the masters rounded as the host copies a fetch reads."""
         self._arrived(layer)
         rows = self.state.master[layer].index_select(0, slots)
-        return rows if self.travel == torch.float32 else rows.to(self.travel)
+        return rows if rows.dtype == self.travel else rows.to(self.travel)
 
     def read(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
         """A micro-batch's rows of ``layer`` as an fp32 tensor (the layer's row leaf, whose gradient sums in fp32)."""
@@ -290,6 +296,8 @@ class WorkingSet(Counted):
         that layer's first reader (``_arrived``): the compute stream goes on meanwhile."""
         if not ids.numel():
             return
+        self.slot_of[ids] = slots  # first: a lean decay in the slots rounds by their ids
+        self.ids[slots] = ids
         copies = self.h2d.copies
         if copies is None:
             for layer in self.layers:
@@ -301,8 +309,6 @@ class WorkingSet(Counted):
                     copied = {kind: copies.to_device(value) for kind, value in rows.layer(layer).items()}
                     self._arriving[layer] = (at, copied, copies.record(), missed)
             self.staged.copied = send.ready
-        self.slot_of[ids] = slots
-        self.ids[slots] = ids
         self.stats["rows_entered"] += ids.numel() * len(self.layers)
         self.stats["rows_entered_staged"] += ids.numel() * len(self.layers)
 
