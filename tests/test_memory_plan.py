@@ -1,8 +1,8 @@
 """The memory plan (``stem-flops --memory``, ``flops/memory.py``): its host bytes are the bytes the store maps on
 each node (four ranks emulating 2 and 4 nodes, as tests/test_row_ownership.py does), its parameter counts are
 those of the megatron model each rank builds, its activations what a real forward and backward keep and peak at,
-its pinned memory the blocks torch pins; the CLI prints it for a recipe at the profile's distinct ids with the bound
-beside, and a bad layout is a clear error."""
+its pinned memory the blocks torch pins, its table files each table-state setting's bytes; the CLI prints it for a
+recipe at the profile's distinct ids with the bound beside, and a bad layout is a clear error."""
 
 import dataclasses
 import importlib.util
@@ -88,6 +88,37 @@ def test_one_node_holds_every_row_and_its_moments():
                                                        "moments": 2 * 2 * 334 * row}
 
 
+LEAN = dict(state_dtype="bf16", second_moment="row", master_dtype="bf16", read_dtype="bf16")
+
+
+@pytest.mark.parametrize("setting,name,copy,state", [
+    ({}, "fp32", 0, 4 + 4 + 4),  # the fp32 copy is the master, two fp32 moments
+    ({"read_dtype": "bf16"}, "fp32", 2, 4 + 4 + 4),  # fp32 masters beside the bf16 copy, which each update writes
+    (LEAN, "lean", 0, 2 + 2),  # the bf16 copy is the master, a bf16 exp_avg, and 8 fp32 exp_avg_sq a row
+], ids=["fp32", "fp32-bf16-copies", "lean"])
+def test_the_plans_host_bytes_a_table_parameter_are_the_settings_and_scale_with_the_tables(setting, name, copy,
+                                                                                            state):
+    """One node owns every row: its table files are the setting's bytes a parameter x V x d_ff x STEM layers at any
+    shape, and an update moves the state twice (read and written), the fp32 gradient where the row has one, and
+    the copy it writes."""
+    for layers, stem_layers, d_ff, vocab in ((4, 2, 24, V), (6, 3, 24, V), (4, 2, 48, V), (4, 2, 24, 2 * V)):
+        cfg = RunConfig(model=ModelConfig(num_layers=layers, hidden_size=16, ffn_hidden_size=d_ff,
+                                          num_attention_heads=2, vocab_size=vocab, seq_length=8),
+                        stem=STEMConfig(ratio="1/2"), host_tables=HostTablesConfig(**setting),
+                        train=TrainConfig(micro_batch_size=1, global_batch_size=1), data=DataConfig(vocab_size=vocab))
+        planned = plan(cfg, Layout(1, 1, device="cpu"))
+        host = copy + state + (8 * 4 / d_ff if setting.get("second_moment") == "row" else 0)
+        state_bytes = {row["setting"]: row for row in planned["table_state"]["settings"]}
+        assert planned["table_state"]["setting"] == name
+        ours = state_bytes[name]
+        assert (ours["host"], ours["touched"], ours["untouched"]) == pytest.approx(
+            (host, 2 * (host - copy) + copy + 4, 2 * (host - copy) + copy), rel=1e-12)
+        shared = sum(planned["nodes"][0]["shared"].values())
+        assert shared == ours["node_bytes"] == pytest.approx(host * vocab * d_ff * stem_layers, rel=1e-12)
+        # what lean would save, beside every setting's plan
+        assert state_bytes["lean"]["node_bytes"] == pytest.approx((4 + 8 * 4 / d_ff) * vocab * d_ff * stem_layers)
+
+
 def test_cli_prints_the_plan_of_a_recipe(tmp_path, capsys):
     path = tmp_path / "plan.json"
     main(["--memory", "+experiment=pretrain_350m", "variant=stem_1_3", "--nodes", "2", "--json", str(path)])
@@ -95,6 +126,9 @@ def test_cli_prints_the_plan_of_a_recipe(tmp_path, capsys):
     assert "memory plan: +experiment=pretrain_350m variant=stem_1_3" in out
     assert "2 node(s) x 8 GPUs, TP=1 PP=1 DP=16" in out and "per GPU" in out and "per node" in out
     assert "U_l copies" in out and "Adam moments" in out and "activations (est.)" in out
+    # every table-state setting's bytes a parameter (host, moved with and without a gradient), the run's marked
+    assert re.search(r"\n  fp32 \(this run\) +12\.000 +28\.000 +24\.000 .*\n(.*\n)*  lean +4\.013 +12\.025 +8\.025 ",
+                     out)
     assert "this machine" not in out  # an 8-node plan is not judged against the machine it is typed on
     result = json.loads(path.read_text())
     shared = result["nodes"][0]["shared"]

@@ -1,18 +1,19 @@
 """Memory plan of a run before launch (``stem-flops --memory``): host bytes per node, device bytes per GPU.
 
-Host, per node, as the code lays it out (``host_tables/store.py``, ``node.py``, ``ownership.py``): for every
-pipeline stage with ranks on the node and each STEM layer of that stage, the node-shared copy of ``U_l``
-(``[tp, V, d_ff/tp]``: every row on every node, fp32 or bf16 by ``host_tables.read_dtype``) and the Adam moments of
-the rows the node owns (2 x ``[tp, owned, d_ff/tp]``, owned = the node's range of ``RowOwnership``, ~V/N over
-the N nodes its DP group spans), with bf16 copies also their fp32 master rows (``[tp, owned, d_ff/tp]``):
-exactly the files ``node.shared_tensors`` creates. Per rank: the process (python, torch, megatron, DeepSpeed's
-op, gloo, datasets; measured), the row gradients CPU Adam reads, and on GPU the pinned memory the store reserves
-before step 1 (``host_tables/transfer.py``, the same functions), block by block as torch pins it (each rounded up to
-a power of two, ``pinned_block_bytes``): the staging slots fetched rows pass through (two fetches' rows, in bf16,
-and their indices) and one landing buffer per layer for the row gradients the rank updates, both at the ids'
-bound; with a working set (``host_tables.resident_rows``) no gradient lands, and its entering and leaving rows' staging
-and landing are reserved instead (``working_set_bytes``, at the set's size or the ids' bound), and its rows staged
-ahead (``staged_bytes``). The dense model has no host copy.
+Host, per node, as the code lays it out (``host_tables/store.py``, ``node.py``, ``ownership.py``): for every pipeline
+stage with ranks on the node and each STEM layer of that stage, the node-shared copy of ``U_l`` (``[tp, V, d_ff/tp]``:
+every row on every node, fp32 or bf16 by ``host_tables.read_dtype``, bf16 where it is the master) and the Adam moments
+of the rows the node owns (``[tp, owned, cols]`` each, owned = the node's range of ``RowOwnership``, ~V/N over the N
+nodes its DP group spans), with bf16 copies of fp32 masters also those master rows: exactly the files
+``node.shared_tensors`` creates, in the dtypes and shapes of the run's table state (``table_state.StateSpec``;
+``state_bytes.py``, which also gives every setting's bytes a parameter). Per rank: the process (python, torch, megatron,
+DeepSpeed's op, gloo, datasets; measured), the row gradients CPU Adam reads, and on GPU the pinned memory the store
+reserves before step 1 (``host_tables/transfer.py``, the same functions), block by block as torch pins it (each rounded
+up to a power of two, ``pinned_block_bytes``): the staging slots fetched rows pass through (two fetches' rows, in bf16,
+and their indices) and one landing buffer per layer for the row gradients the rank updates, both at the ids' bound; with
+a working set (``host_tables.resident_rows``) no gradient lands, and its entering and leaving rows' staging and landing
+are reserved instead (``working_set_bytes``, at the set's size or the ids' bound), and its rows staged ahead
+(``staged_bytes``). The dense model has no host copy.
 
 Device, per GPU (per rank on CPU, where it is host memory too): dense parameters (bf16 on GPU, fp32 on CPU),
 their fp32 gradient buffer (``grad_reduce_in_fp32``), megatron's Adam state (fp32 main parameters on GPU and 2
@@ -41,6 +42,8 @@ from stem_megatron.config import ConfigError, RunConfig, validate_layout
 from stem_megatron.flops.activations import FP32, activation_bytes, attention_kept
 from stem_megatron.flops.arch import FlopsError
 from stem_megatron.flops.layout import Layout, stage_layers
+from stem_megatron.flops.state_bytes import (SETTINGS, per_parameter, print_settings, read_dtype, row_bytes,
+                                             setting_name)
 from stem_megatron.flops.variants import FFN_MATMULS
 from stem_megatron.host_tables.ownership import RowOwnership
 from stem_megatron.host_tables.transfer import (STAGING_SLOTS, cache_staging_bytes, landing_rows,
@@ -48,6 +51,7 @@ from stem_megatron.host_tables.transfer import (STAGING_SLOTS, cache_staging_byt
                                               working_set_bytes)
 from stem_megatron.layer_plan import planned_layers
 from stem_megatron.run_plan import micro_batches_per_step, tables_on_device, tables_on_host
+from stem_megatron.table_state import StateSpec
 
 GIB = 2**30
 # a rank's peak RSS minus its model, optimizer and activations: python, torch, megatron, DeepSpeed's CPU Adam op,
@@ -62,7 +66,7 @@ DEVICE_PARTS = {
     "step_rows": "STEM rows + step row grads", "activations": "activations (est.)",
     "gloo_staging": "gloo staging of a DDP buffer"}
 NODE_PARTS = {
-    "tables": "U_l copies (every row)", "masters": "fp32 master rows (owned; bf16 copies)",
+    "tables": "U_l copies (every row)", "masters": "fp32 master rows (owned)",
     "moments": "Adam moments (owned rows)", "process": "processes",
     "adam_gradients": "row gradients for CPU Adam", "pinned_rows": "pinned row staging",
     "device_parts": "ranks' device parts (CPU)"}
@@ -133,19 +137,29 @@ def _node_stages(layout: Layout, node: int) -> list[tuple[int, int, int, int]]:
     return list(out.values())
 
 
-def node_shared_bytes(cfg: RunConfig, layout: Layout, node: int) -> dict[str, int]:
-    """Bytes of the node-shared files of ``node`` (``node.shared_tensors``): table copies, and the owned rows'
-    moments (and fp32 masters, with bf16 copies)."""
-    V, row = cfg.model.vocab_size, cfg.model.ffn_hidden_size // layout.tp * FP32
-    bf16 = cfg.host_tables.read_dtype == "bf16"
+def node_shared_bytes(cfg: RunConfig, layout: Layout, node: int, spec: Optional[StateSpec] = None) -> dict[str, int]:
+    """Bytes of the node-shared files of ``node`` (``node.shared_tensors``): table copies, and the owned rows' state
+    in ``spec``'s dtypes and shapes (default: the run's setting): masters where they are not the copy, moments."""
+    spec = spec or StateSpec.of(cfg.host_tables)
+    V = cfg.model.vocab_size
+    row = row_bytes(spec, read_dtype(cfg.host_tables, spec), cfg.model.ffn_hidden_size, layout.tp)
     out = {"tables": 0, "masters": 0, "moments": 0}
     for stage, dp_node, dp_nodes, peers in _node_stages(layout, node):
         layers = len(host_stem_layers(cfg, layout.pp, stage))
-        owned = layers * layout.tp * RowOwnership(V, dp_nodes, dp_node, peers, 0).owned_rows * row
-        out["tables"] += layers * layout.tp * V * row // (2 if bf16 else 1)
-        out["moments"] += 2 * owned
-        out["masters"] += owned if bf16 else 0
+        owned = layers * layout.tp * RowOwnership(V, dp_nodes, dp_node, peers, 0).owned_rows
+        out["tables"] += layers * layout.tp * V * row["copy"]
+        out["moments"] += owned * (row["exp_avg"] + row["exp_avg_sq"])
+        out["masters"] += owned * row["master"]
     return out
+
+
+def table_settings(cfg: RunConfig, layout: Layout) -> list[dict]:
+    """Each table-state setting's bytes per parameter (``state_bytes.per_parameter``) and the neediest node's table
+    files (``node_bytes``), so a user sees what another setting would save."""
+    h, d_ff = cfg.host_tables, cfg.model.ffn_hidden_size
+    return [{"setting": setting_name(spec), **per_parameter(spec, read_dtype(h, spec), d_ff, layout.tp),
+             "node_bytes": max(sum(node_shared_bytes(cfg, layout, n, spec).values()) for n in range(layout.nodes))}
+            for spec in SETTINGS]
 
 
 def pinned_bytes(cfg: RunConfig, layout: Layout, stage: tuple[int, int, int, int], layers: int, itemsize: int) -> int:
@@ -185,7 +199,8 @@ def plan(cfg: RunConfig, layout: Layout, distinct_ids: Optional[int] = None,
     micro = micro_batches_per_step(cfg, dp)
     uniq = min(V, distinct_ids or t.micro_batch_size * m.seq_length)
     step_uniq = min(V, micro * uniq, step_distinct_ids or V)  # distinct ids of a step (one DP rank's micro-batches)
-    copy_row = row // (2 if h.read_dtype == "bf16" else 1)  # a row of the host copies
+    spec = StateSpec.of(h)
+    copy_row = row // (2 if read_dtype(h, spec) == "bf16" else 1)  # a row of the host copies
     travel_row = min(copy_row, row // 2) if gpu else copy_row  # a row as it travels (bf16 on GPU): staging, cache
     stages = []
     for p in range(layout.pp):
@@ -234,10 +249,12 @@ def plan(cfg: RunConfig, layout: Layout, distinct_ids: Optional[int] = None,
         shared = node_shared_bytes(cfg, layout, n)
         nodes.append({"node": n, "stages": [e[0] for e in _node_stages(layout, n)], "shared": shared,
                       "ranks": ranks, "total": sum(shared.values()) + sum(ranks.values())})
+    settings = table_settings(cfg, layout) if any(stage["stem_layers"] for stage in stages) else []
     return {"layout": asdict(layout) | {"dp": dp}, "micro_batches": micro, "distinct_ids": uniq,
             "step_distinct_ids": step_uniq, "attention": attention_kept(cfg, layout)[0],
             "optimizer": h.optimizer, "distributed_optimizer": par.use_distributed_optimizer, "stages": stages,
-            "nodes": nodes}
+            "nodes": nodes,
+            "table_state": {"setting": setting_name(spec), "read_dtype": h.read_dtype, "settings": settings}}
 
 
 def working_set_within(cfg: RunConfig, layout: Layout, ratio: float, distinct_ids: Optional[int] = None,
@@ -270,7 +287,7 @@ def print_plan(result: dict, title: str, machine: Optional[tuple[str, int, int]]
     print(f"  {lay['nodes']} node(s) x {lay['gpus_per_node']} {unit}s, TP={lay['tp']} PP={lay['pp']} DP={lay['dp']}, "
           f"{'bf16 on GPU' if lay['device'] == 'gpu' else 'fp32 on CPU'}, "
           f"{'distributed' if result['distributed_optimizer'] else 'replicated'} Adam; {result['micro_batches']} "
-          f"micro-batch(es) a step; STEM Adam {result['optimizer']}")
+          f"micro-batch(es) a step; STEM Adam {result['optimizer']}, table state {result['table_state']['setting']}")
     print(f"  distinct ids: {result['distinct_ids']:,} a micro-batch, {result['step_distinct_ids']:,} a step"
           + (f", {result['distinct_from']} (bound: {bound['distinct_ids']:,}, {bound['step_distinct_ids']:,})"
              if bound else ""))
@@ -285,6 +302,9 @@ def print_plan(result: dict, title: str, machine: Optional[tuple[str, int, int]]
     _table("per node", names, NODE_PARTS, [g[0]["shared"] | g[0]["ranks"] for g in groups.values()],
            [g[0]["total"] for g in groups.values()],
            bound and [bound["node_totals"][g[0]["node"]] for g in groups.values()])
+    state = result["table_state"]
+    if state["settings"]:
+        print_settings(state["settings"], state["setting"], state["read_dtype"], (GIB, "GiB"))
     if lay["device"] == "gpu":
         print("processes: measured on CPU; a CUDA process's context and libraries come on top. Activations: counted "
               "from what the modules keep, measured on CPU (docs/memory.md)"
