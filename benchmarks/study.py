@@ -4,8 +4,10 @@
 * ablation: STEM-1/3 with ``stem.table_init=scaled,xavier host_tables.clip=global,separate
   host_tables.optimizer=lazy,dense``;
 * stress: dense, STEM-1/3 and Hash-MoE at ``--stress-lr`` (several times the recipe's peak), counting loss spikes;
-* lean (only when named, alone or with others): STEM-1/3 and STEM-full with ``table_state=fp32,lean``, the tables'
-  lean optimizer state against fp32 AdamW; its section of the report (``benchmarks/study_lean.py``) is its own.
+* lean (only when named, alone or with others): ``--lean-variants`` (STEM-1/3 and STEM-full) with
+  ``table_state=`` ``--lean-states`` (fp32 and lean; moments and bf16_master too, one lean setting each), the
+  tables' lean optimizer state against fp32 AdamW; its section of the report (``benchmarks/study_lean.py``) is its
+  own and compares every finished lean run, those of earlier commands with other lists included.
 
 Every run is a job of ``python -m stem_megatron.train -m hydra/launcher=submitit_local ...`` (the sweep commands
 are in benchmarks/study_arms.py and in the report), on the tiny model (``model=tiny``, one process, one torch
@@ -24,6 +26,7 @@ the report's "How to run").
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import shutil
 import subprocess
@@ -43,7 +46,8 @@ from submitit.core.utils import JobPaths, pickle_load  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from study_arms import VARIANTS, Arm, arms, chunks, sweep_command  # noqa: E402
+from study_arms import (LEAN_STATES, LEAN_VARIANTS, SEED, TABLE_STATES, VARIANTS, Arm, arms, chunks,  # noqa: E402
+                        sweep_command)
 from study_lean import write_lean  # noqa: E402
 from study_report import write_report  # noqa: E402
 
@@ -70,6 +74,14 @@ def finished(arm: Arm, point: dict, args) -> bool:
     path = args.out / arm.name / arm.run_name(point) / "study.json"
     return path.is_file() and {k: v for k, v in json.loads(path.read_text()).items()
                                if k in ("overrides", "facts")} == identity(arm, point, args)
+
+
+def every_lean_run(arm: Arm, args) -> list[str]:
+    """The lean arm's finished runs of every variant and table state at its seeds: a command that names fewer
+    (``--lean-states``) runs the missing points, and the section weighs them with the earlier ones."""
+    every = dataclasses.replace(arm, swept={"variant": LEAN_VARIANTS, "table_state": list(TABLE_STATES),
+                                            SEED: arm.swept[SEED]})
+    return [every.run_name(p) for p in every.points() if finished(every, p, args)]
 
 
 def last_step(run_dir: Path) -> int:
@@ -167,6 +179,9 @@ def parse_args(argv=None):
     p.add_argument("--ablation-seeds", nargs="+", type=int, default=[1, 2])
     p.add_argument("--stress-seeds", nargs="+", type=int, default=[1, 2, 3])
     p.add_argument("--lean-seeds", nargs="+", type=int, default=[1, 2, 3])
+    p.add_argument("--lean-variants", nargs="+", default=LEAN_VARIANTS, choices=LEAN_VARIANTS)
+    p.add_argument("--lean-states", nargs="+", default=LEAN_STATES, choices=list(TABLE_STATES),
+                   help="recipes/table_state settings of the lean arm")
     p.add_argument("--steps", type=int, default=600, help="global batches of 16 x 128 tokens per run")
     p.add_argument("--stress-steps", type=int, default=300, help="steps of a stress run")
     p.add_argument("--stress-lr", type=float, default=3e-2, help="peak lr of the stress arm (recipe: 3e-3)")
@@ -207,7 +222,8 @@ def main(argv=None) -> None:
     env = child_env(OMP_NUM_THREADS=str(args.threads), MKL_NUM_THREADS=str(args.threads),
                     PYTHONPATH=str(ROOT), HYDRA_FULL_ERROR="1")
     study_arms = arms(args.variants, args.seeds, args.ablation_seeds, args.stress_seeds, args.steps,
-                      args.stress_steps, args.stress_lr, args.arms, args.lean_seeds)
+                      args.stress_steps, args.stress_lr, args.arms, args.lean_seeds, args.lean_variants,
+                      args.lean_states)
     for arm in study_arms:
         run_arm(arm, args, env)
     study = {"arms": {arm.name: {"swept": arm.swept, "fixed": arm.fixed, "steps": arm.steps,
@@ -229,6 +245,7 @@ def main(argv=None) -> None:
     elif not lean:
         print("no report: it needs the main arm (its setup and the paper's claims)", flush=True)
     if lean:
+        lean["runs"] = every_lean_run(next(arm for arm in study_arms if arm.name == "lean"), args)
         lean_study = {**study, "arms": {"lean": lean}, "seeds": args.lean_seeds}
         (args.out / "lean" / "settings.json").write_text(json.dumps(lean_study, indent=1))
         write_lean(args.out, args.report, lean_study)

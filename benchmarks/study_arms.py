@@ -21,8 +21,10 @@ ABLATION = {"stem.table_init": ["scaled", "xavier"], "host_tables.clip": ["globa
             "host_tables.optimizer": ["lazy", "dense"]}  # first value of each: the recipes' default
 STRESS_VARIANTS = ["dense", "stem_1_3", "hash_moe"]
 LEAN_VARIANTS = ["stem_1_3", "stem_full"]
-# recipes/table_state name -> label; the first: the recipes' default, the paper's fp32 AdamW
-TABLE_STATES = {"fp32": "fp32 AdamW", "lean": "lean"}
+# recipes/table_state name -> label; the first: the recipes' default, the paper's fp32 AdamW; the leanest last
+TABLE_STATES = {"fp32": "fp32 AdamW", "moments": "bf16 moments, row-wise 2nd", "bf16_master": "bf16 master",
+                "lean": "lean"}
+LEAN_STATES = ["fp32", "lean"]  # the lean arm's states unless named (study.py --lean-states)
 GROUPS = ("variant", "table_state")  # swept config groups: a job's directory names their choice
 SEED = "train.seed"
 
@@ -54,7 +56,8 @@ class Arm:
 
 
 def arms(variants, seeds, ablation_seeds, stress_seeds, steps: int, stress_steps: int, stress_lr: float,
-         which=("main", "ablation", "stress"), lean_seeds=(1, 2, 3)) -> list[Arm]:
+         which=("main", "ablation", "stress"), lean_seeds=(1, 2, 3), lean_variants=LEAN_VARIANTS,
+         lean_states=LEAN_STATES) -> list[Arm]:
     seeds, ablation_seeds, stress_seeds, lean_seeds = ([str(s) for s in ss] for ss in
                                                        (seeds, ablation_seeds, stress_seeds, lean_seeds))
     made = {
@@ -62,7 +65,7 @@ def arms(variants, seeds, ablation_seeds, stress_seeds, steps: int, stress_steps
         "ablation": Arm("ablation", ["variant=stem_1_3"], {**ABLATION, SEED: ablation_seeds}, steps=steps),
         "stress": Arm("stress", [f"train.lr={stress_lr:g}"], {"variant": STRESS_VARIANTS, SEED: stress_seeds},
                       scored=False, steps=stress_steps),
-        "lean": Arm("lean", [], {"variant": LEAN_VARIANTS, "table_state": list(TABLE_STATES), SEED: lean_seeds},
+        "lean": Arm("lean", [], {"variant": list(lean_variants), "table_state": list(lean_states), SEED: lean_seeds},
                     steps=steps),
     }
     return [made[name] for name in which]

@@ -135,9 +135,16 @@ def test_each_arm_is_a_hydra_sweep_cut_into_products_of_jobs_size():
     assert "hydra.sweep.subdir=${hydra:runtime.choices.variant}-${hydra:runtime.choices.table_state}" \
         "/seed${train.seed}" in le and "train.steps=600" in le  # the main arm's steps, tokens and lr
     assert lean.run_name(lean.points()[-1]) == "stem_full-lean/seed2"
+    more, = arms([], [], [], [], steps=600, stress_steps=300, stress_lr=3e-2, which=["lean"], lean_seeds=[1, 2],
+                 lean_variants=["stem_1_3"], lean_states=["fp32", "moments", "bf16_master", "lean"])
+    assert sweep_command(more, more.points(), "/out/lean", [])[-3:] == \
+        ["variant=stem_1_3", "table_state=fp32,moments,bf16_master,lean", "train.seed=1,2"]
+    for p in lean.points()[:2]:  # a run's identity (its one-point command) is the same when the lists grow
+        assert sweep_command(more, [p], "/out/lean", []) == sweep_command(lean, [p], "/out/lean", [])
 
 
-def _fake_run(run_dir, variant, seed, final, spikes=(), status="finished", ratio="1/3", steps=40, host_tables=None):
+def _fake_run(run_dir, variant, seed, final, spikes=(), status="finished", ratio="1/3", steps=40, host_tables=None,
+              recall=None):
     import dataclasses
 
     from stem_megatron.config import RunConfig, STEMConfig, TrainConfig
@@ -153,7 +160,7 @@ def _fake_run(run_dir, variant, seed, final, spikes=(), status="finished", ratio
                 "tokens": s * 1024, "loss_spike": s in spikes} | ({"valid_loss": final} if s == steps else {})
                for s in range(1, steps + 1)]
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    ev = {"valid_nll": final, "valid_accuracy": 0.3 - final / 100, "fact_recall": 0.5 + seed / 10, "facts": 20,
+    ev = {"valid_nll": final, "valid_accuracy": 0.3 - final / 100, "fact_recall": 0.5 + seed / 10 if recall is None else recall, "facts": 20,
           "fact_majority": 0.1, "edit_success": None, "edit_flips": None, "edit_stays": None,
           "params_total": 1e6, "params_active": 1e6, "train_tokens": 40960, "flops_per_token": 1e6,
           "train_flops": 4e10}
@@ -162,18 +169,25 @@ def _fake_run(run_dir, variant, seed, final, spikes=(), status="finished", ratio
                                                     if status == "diverged" else None, "machine_s": 30.0}))
 
 
+LEAN_KEYS = {"fp32": None, "moments": {"state_dtype": "bf16", "second_moment": "row"},
+             "lean": {"state_dtype": "bf16", "second_moment": "row", "master_dtype": "bf16", "read_dtype": "bf16"}}
+
+
 def _fake_lean_runs(out, lean, gap):
-    """The lean arm's runs: final validation loss 4.5 (STEM-1/3) or 4.4 (STEM-full) + seed / 100, the lean runs
-    ``gap[variant](seed)`` from their fp32 partners."""
+    """The lean arm's runs but STEM-full's moments (a cell without runs): final validation loss 4.5 (STEM-1/3) or
+    4.4 (STEM-full) + seed / 100, fact recall 0.9 + seed / 100, the lean runs ``gap[variant](seed)`` from their fp32
+    partners in loss, the moments runs 0.01 higher in loss and 0.2 lower in recall."""
     for p in lean.points():
         variant, seed, state = p["variant"], int(p["train.seed"]), p["table_state"]
-        final = {"stem_1_3": 4.5, "stem_full": 4.4}[variant] + seed / 100 + (gap[variant](seed) if state == "lean"
-                                                                              else 0.0)
+        if (variant, state) == ("stem_full", "moments"):
+            continue
+        final = {"stem_1_3": 4.5, "stem_full": 4.4}[variant] + seed / 100 + (
+            {"lean": gap[variant](seed), "moments": 0.01}.get(state, 0.0))
         run_dir = out / "lean" / lean.run_name(p)
         if run_dir.exists():
             shutil.rmtree(run_dir)
         _fake_run(run_dir, variant, seed, final, ratio="full" if variant == "stem_full" else "1/3",
-                  host_tables={"state_dtype": "bf16"} if state == "lean" else None)
+                  host_tables=LEAN_KEYS[state], recall=0.9 + seed / 100 - (0.2 if state == "moments" else 0.0))
 
 
 def test_report_tables_from_fabricated_runs(tmp_path):
@@ -183,7 +197,8 @@ def test_report_tables_from_fabricated_runs(tmp_path):
     from study_report import write_report
 
     main, ablation, stress, lean = arms(["dense", "stem_1_3", "hash_moe"], [1, 2], [1, 2], [1, 2], 40, 40, 1.5e-2,
-                                        ["main", "ablation", "stress", "lean"], [1, 2])
+                                        ["main", "ablation", "stress", "lean"], [1, 2],
+                                        lean_states=["fp32", "moments", "lean"])
     out = tmp_path / "study"
     for p in main.points():
         _fake_run(out / "main" / main.run_name(p), p["variant"], int(p["train.seed"]),
@@ -209,7 +224,8 @@ def test_report_tables_from_fabricated_runs(tmp_path):
     conversion = "<!-- conversion-study: begin -->\n## Dense to STEM conversion\n<!-- conversion-study: end -->"
     _fake_lean_runs(out, lean, {"stem_1_3": lambda seed: 0.004, "stem_full": lambda seed: 0.03 if seed == 2 else -0.02})
     lean_study = {**study, "arms": {"lean": {"swept": lean.swept, "steps": 40, "command": "python -m ... lean",
-                                             "runs": [lean.run_name(p) for p in lean.points()]}},
+                                             "runs": [lean.run_name(p) for p in lean.points()
+                                                      if (out / "lean" / lean.run_name(p)).is_dir()]}},
                   "command": "python benchmarks/study.py --arms lean"}
     section = write_lean(out, report, lean_study)  # the lean arm alone, before the main report: appended
     write_section(report, conversion)  # benchmarks/conversion_study.py's section, after it
@@ -218,15 +234,28 @@ def test_report_tables_from_fabricated_runs(tmp_path):
     assert "an earlier report" not in text and text.endswith("\n" + section + "\n\n" + conversion + "\n")
     assert "| STEM-1/3 | fp32 AdamW | 4.5150 [4.5100, 4.5200] |" in section
     assert "| STEM-full | lean | 4.4200 [4.3900, 4.4500] |" in section
-    assert "(recipes/table_state/lean.yaml: `host_tables.state_dtype=bf16`)" in section
-    assert ("- STEM-1/3: lean − fp32 seed 1 +0.0040, seed 2 +0.0040 (mean +0.0040): **higher in every pair** by "
-            "0.0040 [0.0040, 0.0040] (by chance: 2/2^2 = 50.0%); within fp32's seed spread (0.0100).") in section
-    assert ("- STEM-full: lean − fp32 seed 1 -0.0200, seed 2 +0.0300 (mean +0.0050): **no consistent difference** "
-            "(lower in 1 and higher in 1 of 2 pairs); beyond fp32's seed spread (0.0100).") in section
+    assert "| STEM-1/3 | bf16 moments, row-wise 2nd | 4.5250 [4.5200, 4.5300] | 25.5% [25.5%, 25.5%] | " \
+        "71.5% [71.0%, 72.0%] |" in section and "| STEM-full | bf16 moments" not in section  # no runs: no row
+    assert ("- `table_state=moments` (recipes/table_state/moments.yaml: `host_tables.state_dtype=bf16`, "
+            "`host_tables.second_moment=row`): 6.17 B of host memory per table parameter") in section  # d_ff 192
+    assert "`host_tables.second_moment=row`, `host_tables.master_dtype=bf16`): 4.17 B of host" in section
+    assert "- `table_state=fp32` (recipes/table_state/fp32.yaml: the recipes' default): 12.00 B of host" in section
+    assert ("- STEM-1/3, lean − fp32, final validation loss: seed 1 +0.0040, seed 2 +0.0040 (mean +0.0040): "
+            "**higher in every pair** by 0.0040 [0.0040, 0.0040] (by chance: 2/2^2 = 50.0%); within fp32's seed "
+            "spread (0.0100).") in section
+    assert ("- STEM-full, lean − fp32, final validation loss: seed 1 -0.0200, seed 2 +0.0300 (mean +0.0050): "
+            "**no consistent difference** (lower in 1 and higher in 1 of 2 pairs); beyond fp32's seed spread "
+            "(0.0100).") in section
+    assert ("- STEM-1/3, bf16 moments, row-wise 2nd − fp32, fact recall (pp): seed 1 -20.0, seed 2 -20.0 (mean "
+            "-20.0): **lower in every pair** by 20.0 pp [20.0, 20.0] (by chance: 2/2^2 = 50.0%); beyond fp32's seed "
+            "spread (1.0 pp).") in section
+    assert "- STEM-1/3, lean − fp32, fact recall (pp): seed 1 +0.0, seed 2 +0.0 (mean +0.0): **no consistent" in section
+    assert "STEM-full, bf16 moments" not in section
     assert "The arm's sweep: `python -m ... lean`" in section
     _fake_lean_runs(out, lean, {"stem_1_3": lambda seed: -0.02, "stem_full": lambda seed: 0.0})  # the arm reruns
     again = write_lean(out, report, lean_study)
-    assert "STEM-1/3: lean − fp32 seed 1 -0.0200, seed 2 -0.0200 (mean -0.0200): **lower in every pair**" in again
+    assert "STEM-1/3, lean − fp32, final validation loss: seed 1 -0.0200, seed 2 -0.0200 (mean -0.0200): " \
+        "**lower in every pair**" in again
     assert report.read_text() == text.replace(section, again)  # replaced in place, the rest as it was
     text = text.replace(section, again)
     write_section(report, conversion.replace("conversion\n", "conversion, again\n"))  # replaced in place
