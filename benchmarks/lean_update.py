@@ -39,7 +39,7 @@ from stem_megatron.host_tables.row_optimizer import RowAdam, RowOptimizer  # noq
 from stem_megatron.host_tables.row_state import RowState, StateSpec  # noqa: E402
 
 SETTINGS = {
-    "fp32 (today)": StateSpec(),
+    "fp32": StateSpec(),
     "bf16 moments": StateSpec("bf16", "element", "fp32"),
     "bf16 moments, bf16 master": StateSpec("bf16", "element", "bf16"),
     "row-wise v, bf16 m": StateSpec("bf16", "row", "fp32"),
@@ -120,7 +120,7 @@ def main(argv=None) -> None:
           f"{args.repeats} rounds{', CPU time' if args.cpu_time else ''}; memcpy {memcpy:.1f} GB/s (read + write)")
     print(f"{'setting':27} {'stored B':>8} | {'lazy µs/row':>11} {'x fp32':>6} {'B moved':>7} {'GB/s':>5} "
           f"{'memcpy':>6} | {'dense µs/row':>12} {'x fp32':>6} {'B moved':>7} {'GB/s':>5} {'memcpy':>6}")
-    fp32 = times["fp32 (today)"]
+    fp32 = times["fp32"]
     for name, spec in SETTINGS.items():
         lazy_s, dense_s = (statistics.median(t) for t in times[name])
         lazy_row, dense_row = lazy_s / ids.numel() * 1e6, dense_s / args.rows * 1e6

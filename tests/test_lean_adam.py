@@ -226,4 +226,4 @@ def test_benchmark_at_its_smallest(capsys):
     lean_update.main(["--rows", "256", "--cols", "64", "--tokens", "512", "--repeats", "1"])
     out = capsys.readouterr().out
     assert all(name in out for name in lean_update.SETTINGS)
-    assert "fp32 (today)                   12.00 |" in out and " 28.00 " in out and " 1.00x" in out
+    assert f"{'fp32':27} {12:8.2f} |" in out and " 28.00 " in out and " 1.00x" in out
