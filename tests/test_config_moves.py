@@ -1,4 +1,4 @@
-"""The keys issue 54 moved out of ``stem`` (to ``host_tables`` and ``hash_moe``): a recipe or override that still sets
+"""The keys moved out of ``stem`` (to ``host_tables`` and ``hash_moe``): a recipe or override that still sets
 one ends ``stem-train`` with one line naming the new place; what runs wrote before keeps working (a checkpoint's
 manifest names a run by the same flat ``stem``, a saved ``config.json`` of the old layout is read as today's)."""
 
@@ -15,7 +15,7 @@ from stem_megatron.config_moves import upgrade_saved_config
 from stem_megatron.recipes import compose_run, refuse_moved_keys
 
 ROOT = Path(__file__).resolve().parents[1]
-# ``dataclasses.asdict(RunConfig())["stem"]`` before issue 54, with some settings changed
+# ``dataclasses.asdict(RunConfig())["stem"]`` of the flat layout, with some settings changed
 OLD_STEM = {"variant": "hash_moe", "ratio": "1/2", "layers": None, "table_init": "xavier", "table_init_std": None,
             "placement": "device", "optimizer": "dense", "clip": "separate", "prefetch_depth": 3, "cache_rows": 0,
             "resident_rows": 0, "shm_dir": "/dev/shm", "host_memory_gib": 100.0, "wire_dtype": "bf16",
@@ -85,7 +85,7 @@ def test_sweeps_and_todays_keys_pass_and_compose_run_refuses_an_old_key():
 
 
 def test_a_checkpoint_names_its_run_by_the_flat_stem_of_before():
-    """The manifest's ``stem`` is the dict every checkpoint wrote before issue 54 (its keys in its order), so one
+    """The manifest's ``stem`` is the dict every checkpoint of the flat layout wrote (its keys in its order), so one
     saved then resumes under today's settings and a changed moved setting is named by today's key."""
     from stem_megatron.checkpoint import manager
     from stem_megatron.checkpoint.atomic import CheckpointError
@@ -105,7 +105,7 @@ def test_a_checkpoint_names_its_run_by_the_flat_stem_of_before():
 
 
 def test_a_saved_config_of_the_old_layout_is_read_as_todays(tmp_path):
-    """A run directory's or export's ``config.json`` from before issue 54 (a flat ``stem``): its moved keys land in
+    """A run directory's or export's ``config.json`` with a flat ``stem``: its moved keys land in
     their groups, here through ``tools/capacity_scaling.py``'s reader of an export's config."""
     old = {"model": {"num_layers": 4}, "stem": dict(OLD_STEM, variant="stem"), "train": {"steps": 7}}
     cfg = to_run_config(upgrade_saved_config(json.loads(json.dumps(old))))

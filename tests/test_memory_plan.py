@@ -133,7 +133,7 @@ def test_cli_prints_the_plan_of_a_recipe(tmp_path, capsys):
     result = json.loads(path.read_text())
     shared = result["nodes"][0]["shared"]
     assert shared["tables"] == 10 * 32000 * 2560 * 4 and shared["moments"] == 2 * 10 * 16000 * 2560 * 4
-    # the profile's distinct ids of 8 x 2048 tokens (issue 51: the default), their bound beside
+    # the profile's distinct ids of 8 x 2048 tokens (the default), their bound beside
     assert result["micro_batches"] == 4 and result["distinct_ids"] == 4400
     assert result["bound"]["distinct_ids"] == 8 * 2048
 
@@ -263,7 +263,7 @@ def test_cli_says_the_largest_working_set_within_the_goal(capsys):
 @pytest.mark.parametrize("experiment,ids", [("pretrain_1b", (4408, 16018)), ("pretrain_350m", (4400, 12360))])
 def test_a_recipe_fits_an_h100_by_its_plan_at_the_profiles_ids_with_the_bound_beside(experiment, ids, tmp_path,
                                                                                      capsys):
-    """The paper's recipes on the 8 GPUs they name (issue 51): at the distinct ids the 128k token profile expects of
+    """The paper's recipes on the 8 GPUs they name: at the distinct ids the 128k token profile expects of
     a micro-batch's and a DP rank's step's tokens, STEM-1/3's plan per GPU stays within 70 GiB; the totals at the
     ids' bound are the tables' last lines."""
     path = tmp_path / "plan.json"
@@ -294,7 +294,7 @@ def test_distinct_ids_are_what_draws_from_the_profile_hold():
 
 def test_pinned_blocks_are_planned_as_torch_pins_them():
     """torch's CachingHostAllocator rounds each pinned block up to a power of two; the plan counts blocks: 350M
-    STEM-1/3 on one GPU, two staging slots of 0.78 GiB and ten landing buffers of 32,000 rows (327.7 MB, issue 51)
+    STEM-1/3 on one GPU, two staging slots of 0.78 GiB and ten landing buffers of 32,000 rows (327.7 MB)
     pin 2 x 1 GiB and 10 x 512 MiB; 1B with a working set of 16,384 rows at gpu_step's batch, 14.5 GiB (15.6 GB,
     the issue's) where the bytes asked are 12.63 GiB."""
     from stem_megatron.host_tables.transfer import pinned_block_bytes
@@ -332,8 +332,8 @@ def _measure(runs: list[list[str]]) -> list[dict]:
 def test_the_planned_activations_are_what_a_real_forward_and_backward_keep_and_peak_at():
     """One micro-batch of each run on CPU (``benchmarks/memory_plan.py --activations``): the bytes autograd keeps
     for backward are the plan's count, and the peak of torch's allocations (the fetched rows' leaves aside) its count
-    plus the one transient, each within 2% (measured 0.4-0.8%; the count before issue 51, 4 tensors of d_ff for a
-    host STEM layer, was 10% over the kept bytes of these host STEM runs)."""
+    plus the one transient, each within 2% (measured 0.4-0.8%; counting 4 tensors of d_ff for a
+    host STEM layer would be 10% over the kept bytes of these host STEM runs)."""
     from stem_megatron.flops.activations import kept_bytes, transient_bytes
     from stem_megatron.recipes import compose_run
 

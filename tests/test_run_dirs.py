@@ -43,7 +43,7 @@ def test_a_sweep_after_the_demo_starts_every_job_from_step_one(corpus, tmp_path)
 
 
 def test_fields_added_since_keep_a_runs_directory_and_a_hf_start_gets_its_own():
-    """The fields issue 53 added (``model.qkv_bias``, ``model.rope_scaling_factor``, ``stem.calibration_tokens``) at
+    """The fields added later (``model.qkv_bias``, ``model.rope_scaling_factor``, ``stem.calibration_tokens``) at
     their defaults leave a run the directory it had before them (the names below, from the version before), so the
     same command still resumes it; set, as a run started from a Hugging Face model, they name another."""
     from stem_megatron.recipes import compose_run

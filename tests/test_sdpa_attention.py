@@ -1,4 +1,4 @@
-"""``SDPAttention`` (``model/sdpa_attention.py``, issue 25) against megatron-core's ``DotProductAttention``, which
+"""``SDPAttention`` (``model/sdpa_attention.py``) against megatron-core's ``DotProductAttention``, which
 the local layer spec used before: the module's output and q, k, v gradients, and a whole model's losses and weight
 gradients, equal within 1e-5 in fp32 for causal attention, the cross-document mask of ``data.reset_attention_mask``,
 GQA, TP=2 (heads split over the ranks) and PP=2; the model built by ``build_gpt`` without TE uses it in every layer.

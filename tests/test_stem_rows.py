@@ -85,7 +85,7 @@ def _layer(gate, rows, index, dh):
 def test_the_compiled_passes_compile_once_for_every_row_and_token_count_and_for_no_grad(monkeypatch):
     """Training changes the row count ``u`` every step and the token count at validation, which calls the layer
     without grad: each compiled pass (CPU inductor here, the same graphs as on GPU) compiles once a process,
-    dynamic in tokens and rows from the first call (issue 51: 4 forward graphs and 3 backward ones before). Each
+    dynamic in tokens and rows from the first call (rather than 4 forward graphs and 3 backward ones). Each
     call within rounding of the eager function: the output and the gate's gradient as above, a row's gradient
     within its tokens' bounds plus the two fp32 sums' rounding (tokens x eps x the sum of their scales each)."""
     codes = stem_rows._forward.__code__, stem_rows._backward.__code__

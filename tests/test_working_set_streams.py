@@ -2,7 +2,7 @@
 
 CSAN keys an access by the tensor, not by the bytes a kernel touches, so a design where one stream writes some rows of
 a tensor while another stream reads or writes other rows of it is a "possible data race" to it, however disjoint the
-rows (issue 51, item 3). The working set is built so that none arises: its slots' tensors are touched by the compute
+rows. The working set is built so that none arises: its slots' tensors are touched by the compute
 stream alone, and the side streams write only tensors of their own, which the compute stream reads after an event.
 
 Here the store's working set is made on ``device="cuda"`` (the CPU redirection every CPU worker runs, ``cpu_compat``,
@@ -284,7 +284,7 @@ def _runs(optimizer: str) -> tuple[dict, dict, dict]:
 def test_no_tensor_of_the_working_set_is_shared_by_two_streams_without_an_event(optimizer):
     """Rows enter ahead (loaded while the step before runs), enter staged and leave every step; CSAN's bookkeeping
     finds no access to a device tensor on one lane after another lane's conflicting access without an event between
-    (before issue 51: the preload wrote the slots' tensors on the side stream while the compute stream read them).
+    (the hazard it guards: a preload writing the slots' tensors on the side stream while the compute stream reads them).
     The GPU branches end with the CPU branches' tables and moments, bitwise."""
     audited, plain, _ = _runs(optimizer)
     assert all(audited["moved"].values()), audited["moved"]
