@@ -22,8 +22,8 @@ ABLATION = {"stem.table_init": ["scaled", "xavier"], "host_tables.clip": ["globa
 STRESS_VARIANTS = ["dense", "stem_1_3", "hash_moe"]
 LEAN_VARIANTS = ["stem_1_3", "stem_full"]
 # recipes/table_state name -> label; the first: the recipes' default, the paper's fp32 AdamW; the leanest last
-TABLE_STATES = {"fp32": "fp32 AdamW", "moments": "bf16 moments, row-wise 2nd", "bf16_master": "bf16 master",
-                "lean": "lean"}
+TABLE_STATES = {"fp32": "fp32 AdamW", "bf16_moments": "bf16 moments", "moments": "bf16 moments, row-wise 2nd",
+                "bf16_master": "bf16 master", "lean": "lean"}
 LEAN_STATES = ["fp32", "lean"]  # the lean arm's states unless named (study.py --lean-states)
 GROUPS = ("variant", "table_state")  # swept config groups: a job's directory names their choice
 SEED = "train.seed"
