@@ -99,9 +99,23 @@ def _rank(rank, env, world, nproc, port, overrides, logs):
 
 def train(corpus, out_dir, *overrides, nodes: int = 1, nproc: int = 1, check: bool = True) -> Run:
     """``stem-train`` on ``nodes`` x ``nproc`` ranks (``BASE``, then ``overrides``) into ``out_dir``. ``check``: a
-    rank that fails fails the test, with every rank's output; else its exit code is the run's."""
+    rank that fails fails the test, with every rank's output; else its exit code is the run's. A rendezvous port
+    taken between ``get_free_port`` and rank 0's bind (the other pytest worker's launch) is tried again, twice."""
     args = overrides_of(corpus, out_dir, *overrides)
     world = nodes * nproc
+    for _ in range(3):
+        codes, said = _launch(args, world, nproc)
+        if not (codes[0] and "EADDRINUSE" in said[0, "err"]):
+            break
+    if check and any(codes):
+        tail = "".join(f"--- rank {r} {n}:\n{text[-3000:]}" for (r, n), text in said.items())
+        raise AssertionError(f"stem-train {' '.join(overrides)} on {nodes} x {nproc}: exit codes {codes}\n{tail}")
+    stderr = "".join(said[r, "err"] for r in range(world))
+    return Run(Path(out_dir), next((c for c in codes if c), 0), said[0, "out"], stderr)
+
+
+def _launch(args: list, world: int, nproc: int) -> tuple[list, dict]:
+    """Every rank's exit code and its stdout and stderr (``(rank, "out" | "err")``)."""
     with tempfile.TemporaryDirectory() as logs:
         context = mp.start_processes(_rank, args=(dict(os.environ), world, nproc, get_free_port(), args, logs),
                                      nprocs=world, join=False, start_method="forkserver")
@@ -115,12 +129,7 @@ def train(corpus, out_dir, *overrides, nodes: int = 1, nproc: int = 1, check: bo
                 p.kill()
             p.join()
         said = {(r, n): Path(logs, f"{r}.{n}").read_text() for r in range(world) for n in ("out", "err")}
-    codes = [p.exitcode for p in context.processes]
-    if check and any(codes):
-        tail = "".join(f"--- rank {r} {n}:\n{text[-3000:]}" for (r, n), text in said.items())
-        raise AssertionError(f"stem-train {' '.join(overrides)} on {nodes} x {nproc}: exit codes {codes}\n{tail}")
-    stderr = "".join(said[r, "err"] for r in range(world))
-    return Run(Path(out_dir), next((c for c in codes if c), 0), said[0, "out"], stderr)
+    return [p.exitcode for p in context.processes], said
 
 
 def copy_stopped(run: Run, step: int, copy: Path) -> Run:
